@@ -7,13 +7,14 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/lock.txt
 PY := $(VENV)/bin/python
+OUTPUTS := $(or $(KVRESEARCH_OUTPUTS),outputs)
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format typecheck test test-fast reproduce needle clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract train-surrogate clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -51,8 +52,22 @@ test-fast: $(STAMP) ## the suite without the slow (embedded-model, end-to-end) t
 needle: $(STAMP) ## full-cache needle retrieval on the embedded model (outputs/needle/)
 	$(PY) -m kvresearch.stages.needle $(ARGS)
 
-reproduce: $(STAMP) ## the main job on the embedded default model (grows with each stage)
-	$(PY) -m kvresearch.stages.needle $(ARGS)
+extract: $(STAMP) ## KVzip+ oracle scores -> training shards (outputs/extract/default/, ~25 min on 2 cores)
+	$(PY) -m kvresearch.stages.extract $(ARGS)
+
+$(OUTPUTS)/extract/default/DONE: | $(STAMP)
+	$(PY) -m kvresearch.stages.extract
+
+train-surrogate: $(STAMP) $(OUTPUTS)/extract/default/DONE ## linear + MLP surrogates on the default extract, then the fit table
+	$(PY) -m kvresearch.stages.train_surrogate -m surrogate=linear,mlp $(ARGS)
+	$(PY) scripts/surrogate_table.py --root $(OUTPUTS) --per-layer
+
+bench-extract: $(STAMP) ## extraction speed and memory vs the eager reference (outputs/bench/extract.json)
+	$(PY) scripts/bench_extract.py
+
+reproduce: $(STAMP) ## the main job on the embedded default model: needle check, extract, surrogates
+	$(PY) -m kvresearch.stages.needle
+	$(MAKE) --no-print-directory train-surrogate
 
 clean: ## remove caches (keeps outputs/ and the venv)
 	rm -rf .mypy_cache .ruff_cache .pytest_cache

@@ -28,9 +28,20 @@ from kvresearch.tracking import Tracker, tracker
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR.parent / "conf"
 TRACKED_PACKAGES = (
-    "kvresearch", "torch", "transformers", "kvpress", "datasets", "hydra-core", "lightning", "wandb",
-    "scikit-learn", "lm-eval", "triton", "numpy", "safetensors",
-)  # fmt: skip
+    "kvresearch",
+    "torch",
+    "transformers",
+    "kvpress",
+    "datasets",
+    "hydra-core",
+    "lightning",
+    "wandb",
+    "scikit-learn",
+    "lm-eval",
+    "triton",
+    "numpy",
+    "safetensors",
+)
 
 
 def repo_root() -> Path:

@@ -70,8 +70,13 @@ def test_needle_sample_holds_its_needle_near_the_token_target(tiny) -> None:
 @pytest.mark.slow
 def test_smollm2_answers_a_chat_question(smol) -> None:
     prompt = build_prompt(smol.tokenizer, "What is the capital of France?", "")
-    tokens = greedy(smol.model, prefill(smol.model, prompt.context_ids), prompt.question_ids, 20,
-                    eos_ids(smol.model, smol.tokenizer))  # fmt: skip
+    tokens = greedy(
+        smol.model,
+        prefill(smol.model, prompt.context_ids),
+        prompt.question_ids,
+        20,
+        eos_ids(smol.model, smol.tokenizer),
+    )
     assert "Paris" in smol.tokenizer.decode(tokens)
 
 

@@ -11,15 +11,28 @@ from kvresearch.models import ModelAdapter
 from kvresearch.models.hooks import attention_calls, attention_inputs
 from kvresearch.models.load import build_random
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 FAMILIES = {
     "llama": dict(model_type="llama", **TINY),
     "qwen2": dict(model_type="qwen2", **TINY),
     "qwen3": dict(model_type="qwen3", **TINY),
-    "gemma3": dict(model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
-                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], **TINY),
-}  # fmt: skip
+    "gemma3": dict(
+        model_type="gemma3_text",
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        **TINY,
+    ),
+}
 
 
 def tiny_family(family: str, attn: str = "sdpa") -> torch.nn.Module:

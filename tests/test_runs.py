@@ -91,8 +91,10 @@ def test_hydra_multirun_writes_one_folder_per_job_and_skips_on_rerun(tmp_path: P
     first = _stage_cli(args, env)
     assert first.returncode == 0, first.stderr
     folders = sorted(p.name for p in (tmp_path / "needle").iterdir() if p.is_dir())
-    assert folders == ["model=tiny_random,needle.context_tokens=128,needle.depths=[0.5]",
-                       "model=tiny_random,needle.context_tokens=192,needle.depths=[0.5]"]  # fmt: skip
+    assert folders == [
+        "model=tiny_random,needle.context_tokens=128,needle.depths=[0.5]",
+        "model=tiny_random,needle.context_tokens=192,needle.depths=[0.5]",
+    ]
     for name in folders:
         assert {"config.yaml", "versions.json", "metrics.json", "DONE"} <= {
             p.name for p in (tmp_path / "needle" / name).iterdir()
@@ -105,8 +107,11 @@ def test_uncached_hub_model_fails_fast_with_one_paragraph(tmp_path: Path) -> Non
     import time
 
     start = time.perf_counter()
-    result = _stage_cli(["model=qwen3_8b"], {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
-                                              "KVRESEARCH_OUTPUTS": str(tmp_path)}, timeout=60)  # fmt: skip
+    result = _stage_cli(
+        ["model=qwen3_8b"],
+        {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "KVRESEARCH_OUTPUTS": str(tmp_path)},
+        timeout=60,
+    )
     elapsed = time.perf_counter() - start
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -1,0 +1,206 @@
+"""Oracle capture (model glue): the repeat prompt, and KVzip/KVzip+ scores from one forward pass.
+
+Repeat prompt (the KVzap training template): chat template with user = context + instruction and
+assistant = context. We build its ids from pieces (template head, context ids, instruction + template
+middle, context ids) so that the spans are exact and the chunked oracle below sees the same tokens.
+
+Our choices where the reference implementations differ:
+
+* queries: only the rows of the repeated context count (the KVzap training code), not the instruction
+  and template tokens between the two copies (kvpress's KVzip press counts those too);
+* softmax: over every key the row can see in the single pass; in the chunked oracle over
+  ``[template head | current chunk | repeat tokens]``. The "sinks" are the whole template head (kvpress
+  keeps 4 tokens), so that on a context of one chunk both give the same scores;
+* scores are returned raw; the training target is ``log(kvzip_plus)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvresearch.models.adapter import ModelAdapter
+from kvresearch.models.hooks import attention_calls, attention_inputs
+from kvresearch.ops.scores import kvzip_scores
+
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+_MARK = "\x00KVR_CONTEXT\x00"
+
+
+@dataclass
+class TemplatePieces:
+    """Token ids of the chat template around the context: head + context + middle, then the repeat."""
+
+    head: list[int]  # before the user content (system prompt, user header)
+    middle: list[int]  # between the user content and the assistant content (end of turn, assistant header)
+
+
+def template_pieces(tokenizer: Any) -> TemplatePieces:
+    if not getattr(tokenizer, "chat_template", None):
+        return TemplatePieces([], tokenizer("\n", add_special_tokens=False).input_ids)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}], tokenize=False
+    )
+    head, middle, _tail = rendered.split(_MARK)
+    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids
+    return TemplatePieces(encode(head), encode(middle))
+
+
+@dataclass
+class RepeatPrompt:
+    input_ids: torch.Tensor  # (1, L)
+    context: slice  # the original context span
+    repeat: slice  # the repeated copy (the scoring rows)
+
+
+def repeat_prompt(tokenizer: Any, context_ids: list[int], pieces: TemplatePieces | None = None) -> RepeatPrompt:
+    """``head | context | instruction + middle | context`` with the two context spans marked."""
+    pieces = pieces or template_pieces(tokenizer)
+    instruction = tokenizer(FIRST_INSTRUCTION, add_special_tokens=False).input_ids
+    ids = pieces.head + context_ids + instruction + pieces.middle + context_ids
+    start, n = len(pieces.head), len(context_ids)
+    return RepeatPrompt(torch.tensor([ids]), slice(start, start + n), slice(len(ids) - n, len(ids)))
+
+
+@dataclass
+class LayerScores:
+    kvzip: torch.Tensor  # (kv_heads, n_context) fp32
+    kvzip_plus: torch.Tensor  # (kv_heads, n_context) fp32
+    hidden: torch.Tensor | None  # (n_selected, hidden) attention inputs of the selected context positions
+
+
+def _score_call(
+    adapter: ModelAdapter,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    h: torch.Tensor,
+    rows: slice,
+    cols: torch.Tensor,
+    keys: torch.Tensor,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of one attention call. q (1, Hq, T, d) are the call's new tokens; k, v (1, Hkv, N, d) all keys.
+
+    ``rows`` indexes the new tokens, ``keys`` the softmax keys into N, ``cols`` the scored keys into N.
+    """
+    n_keys, n_new = k.shape[2], q.shape[2]
+    q_pos = torch.arange(n_keys - n_new, n_keys, device=q.device)[rows]
+    col_in_keys = torch.searchsorted(keys, cols).to(q.device)  # keys are sorted and contain cols
+    spec = adapter.layers[layer]
+    return kvzip_scores(
+        q[0, :, rows],
+        k[0, :, keys],
+        v[0, :, cols],
+        col_in_keys,
+        h[0, rows].norm(dim=-1),
+        adapter.output_weight(layer),
+        spec.scaling,
+        q_pos,
+        keys.to(q.device),
+        window=spec.sliding_window,
+        block=block,
+    )
+
+
+@torch.no_grad()
+def oracle_scores(
+    adapter: ModelAdapter, prompt: RepeatPrompt, keep_hidden: torch.Tensor | None = None, block: int = 256
+) -> list[LayerScores]:
+    """KVzip and KVzip+ scores of every context token in every layer from one forward pass.
+
+    The model keeps its own attention implementation (sdpa, flash, ...); the scores are computed from
+    the q, k, v it attends with, layer by layer, in row blocks.
+
+    Args:
+        keep_hidden: (n_selected,) context offsets whose attention inputs h are returned (None: none).
+    """
+    n = prompt.context.stop - prompt.context.start
+    cols = torch.arange(prompt.context.start, prompt.context.stop)
+    inputs: dict[int, torch.Tensor] = {}
+    out: list[LayerScores | None] = [None] * adapter.num_layers
+
+    def on_call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        h = inputs[layer]
+        keys = torch.arange(k.shape[2])
+        kvzip, plus = _score_call(adapter, layer, q, k, v, h, prompt.repeat, cols, keys, block)
+        hidden = None if keep_hidden is None else h[0, prompt.context.start + keep_hidden].detach().clone()
+        out[layer] = LayerScores(kvzip.float(), plus.float(), hidden)
+        del inputs[layer]
+
+    device = next(adapter.model.parameters()).device
+    with attention_inputs(adapter, inputs), attention_calls(adapter, on_call):
+        adapter.decoder(input_ids=prompt.input_ids.to(device), use_cache=False)
+    assert all(s is not None for s in out) and n > 0
+    return [s for s in out if s is not None]
+
+
+@torch.no_grad()
+def chunked_oracle_scores(
+    adapter: ModelAdapter,
+    tokenizer: Any,
+    cache: Any,
+    context_ids: list[int],
+    head_len: int,
+    chunk_size: int = 2048,
+    hint_tokens: int = 8,
+    block: int = 256,
+    progress: Callable[[int], None] | None = None,
+) -> list[LayerScores]:
+    """The evaluation-time oracle over a prefilled cache of ``head | context`` (KVzip's chunked replay).
+
+    For each chunk of about ``chunk_size`` context tokens, the model reads
+    ``instruction [+ last hint_tokens tokens of the previous chunk] + middle + chunk`` after the cache
+    (positions continue after the context); the softmax of the repeated rows runs over
+    ``[template head | chunk | repeat tokens]``; then the cache is cropped back to the context.
+    On a context of one chunk this equals :func:`oracle_scores` on the same ids.
+
+    Args:
+        cache: a transformers cache holding exactly ``head_len + len(context_ids)`` positions.
+        head_len: number of template-head tokens before the context in the cache.
+    Returns:
+        per layer: kvzip and kvzip_plus of shape (kv_heads, len(context_ids)); hidden is None.
+    """
+    pieces = template_pieces(tokenizer)
+    total = head_len + len(context_ids)
+    if cache.get_seq_length() != total:
+        raise ValueError(f"cache holds {cache.get_seq_length()} positions, expected head + context = {total}")
+    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids
+    kvzip = [torch.zeros(adapter.num_kv_heads, len(context_ids)) for _ in range(adapter.num_layers)]
+    plus = [torch.zeros(adapter.num_kv_heads, len(context_ids)) for _ in range(adapter.num_layers)]
+    inputs: dict[int, torch.Tensor] = {}
+    device = next(adapter.model.parameters()).device
+    for start in range(0, len(context_ids), chunk_size):
+        chunk = context_ids[start : start + chunk_size]
+        if start == 0:
+            prefix = encode(FIRST_INSTRUCTION)
+        else:
+            prefix = encode(NEXT_INSTRUCTION) + context_ids[max(0, start - hint_tokens) : start]
+        ids = prefix + pieces.middle + chunk
+        rows = slice(len(ids) - len(chunk), len(ids))
+        cols = torch.arange(head_len + start, head_len + start + len(chunk))
+        keys = torch.cat([torch.arange(head_len), cols, torch.arange(total, total + len(ids))])
+
+        def on_call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows=rows, cols=cols, keys=keys):
+            a, b = _score_call(adapter, layer, q, k, v, inputs.pop(layer), rows, cols, keys, block)
+            span = slice(cols[0] - head_len, cols[-1] + 1 - head_len)
+            kvzip[layer][:, span] = a.float().cpu()
+            plus[layer][:, span] = b.float().cpu()
+
+        positions = torch.arange(total, total + len(ids), device=device)[None]
+        with attention_inputs(adapter, inputs), attention_calls(adapter, on_call):
+            adapter.decoder(
+                input_ids=torch.tensor([ids], device=device),
+                past_key_values=cache,
+                position_ids=positions,
+                use_cache=True,
+            )
+        cache.crop(total)
+        if progress is not None:
+            progress(len(chunk))
+    return [LayerScores(a, b, None) for a, b in zip(kvzip, plus, strict=True)]

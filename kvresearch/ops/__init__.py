@@ -1,0 +1,1 @@
+"""Pure math: scores, solvers, attention references, kernels. Tensors in, tensors out."""

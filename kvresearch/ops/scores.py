@@ -1,0 +1,85 @@
+"""KVzip and KVzip+ importance scores of one layer (pure math: tensors in, tensors out).
+
+For query rows ``j`` (the repeated copy of the context) and context keys ``i`` of KV head ``k``:
+
+    KVzip   s_i  = max_{g in group(k)} max_j  a^g_{j,i}
+    KVzip+  s+_i = max_{g in group(k)} max_j  a^g_{j,i} * ||v_i W_O^g|| / ||h_j||
+
+``a^g_{j,i}`` is the causal softmax weight of query ``j`` (head ``g``) over every key the row may see
+(``k_pos <= q_pos``, and within the sliding window when there is one). Rows are processed in blocks, so
+memory is O(kv_heads x group x block x keys), never keys x keys for all heads at once; the softmax
+denominator is exact because each block row sees all of its visible keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def value_output_norms(v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """||v_i W_O^g|| for every KV entry i and every query head g of its group.
+
+    Args:
+        v: (kv_heads, n, head_dim) values.
+        w_o: (q_heads, head_dim, hidden) output projection split per query head.
+    Returns:
+        (kv_heads, group, n). Uses ||v W||^2 = v (W W^T) v^T, so memory is O(q_heads head_dim^2), not
+        O(q_heads n hidden).
+    """
+    kv_heads, _, d = v.shape
+    w = w_o.to(v.dtype).reshape(kv_heads, -1, d, w_o.shape[-1])  # (Hkv, G, d, D)
+    gram = w @ w.transpose(-1, -2)  # (Hkv, G, d, d)
+    sq = torch.einsum("knd,kgde,kne->kgn", v, gram, v)
+    return sq.clamp_min(0).sqrt()
+
+
+def kvzip_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_cols: torch.Tensor,
+    cols: torch.Tensor,
+    h_norm: torch.Tensor,
+    w_o: torch.Tensor,
+    scaling: float,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None = None,
+    block: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzip and KVzip+ scores of the key columns ``cols``, maximised over the rows of ``q``.
+
+    Args:
+        q: (q_heads, rows, head_dim) post-rotary queries of the scoring rows.
+        k: (kv_heads, n_keys, head_dim) post-rotary keys in the softmax (visible ones by position).
+        v_cols: (kv_heads, n_cols, head_dim) values of the scored columns.
+        cols: (n_cols,) indices of the scored columns into ``k``.
+        h_norm: (rows,) ||h_j|| of the attention input of each row.
+        w_o: (q_heads, head_dim, hidden) per-head output projection.
+        scaling: softmax scale of q.k (1/sqrt(head_dim) for most models).
+        q_pos, k_pos: (rows,), (n_keys,) absolute positions for the causal (and window) mask.
+        window: sliding window (key visible iff 0 <= q_pos - k_pos < window), or None.
+        block: rows per block.
+    Returns:
+        kvzip, kvzip_plus: (kv_heads, n_cols) each, in the dtype of ``q`` promoted to at least fp32.
+    """
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v_cols, h_norm = q.to(dtype), k.to(dtype), v_cols.to(dtype), h_norm.to(dtype)
+    kv_heads, _n_keys, d = k.shape
+    group = q.shape[0] // kv_heads
+    rows = q.shape[1]
+    q = (q * scaling).reshape(kv_heads, group, rows, d)  # query head h reads KV head h // group
+    k_t = k.transpose(1, 2)  # (Hkv, d, N)
+    wov = value_output_norms(v_cols, w_o)  # (Hkv, G, C)
+    best = torch.full((kv_heads, group, cols.numel()), float("-inf"), dtype=dtype, device=q.device)
+    best_plus = best.clone()
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        logits = q[:, :, start:stop] @ k_t[:, None]  # (Hkv, G, B, N)
+        delta = q_pos[start:stop, None] - k_pos[None, :]  # (B, N)
+        hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
+        logits.add_(torch.zeros_like(delta, dtype=dtype).masked_fill_(hidden, float("-inf")))  # causal (+ window)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # exact denominator over all visible keys
+        attn = torch.exp(logits[..., cols] - lse)  # (Hkv, G, B, C)
+        best = torch.maximum(best, attn.amax(dim=2))
+        best_plus = torch.maximum(best_plus, (attn / h_norm[start:stop, None]).amax(dim=2))
+    return best.amax(dim=1), (best_plus * wov).amax(dim=1)

@@ -1,0 +1,111 @@
+"""KVzap surrogates: per-layer maps from the attention input h (hidden) to log KVzip+ per KV head.
+
+All layers live in one module with stacked weights, so a batch of (rows, layers, hidden) runs as one
+batched matmul instead of a Python loop of small ones:
+
+* linear: ``h W_l + b_l`` with W_l of shape (hidden, kv_heads);
+* mlp: ``GELU(h W1_l + b1_l) W2_l + b2_l`` with W1_l (hidden, hidden/8) and W2_l (hidden/8, kv_heads).
+
+Plain ``nn.Module``: usable without Lightning. Saved as safetensors plus a JSON config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kvresearch.errors import KVResearchError
+
+CONFIG_NAME = "surrogate.json"
+WEIGHTS_NAME = "surrogate.safetensors"
+
+
+@dataclass(frozen=True)
+class SurrogateConfig:
+    kind: str  # "linear" or "mlp"
+    layers: int
+    hidden: int  # D, the model's hidden size
+    kv_heads: int
+    mlp_hidden: int | None = None  # D/8 for the MLP by default
+    model: str | None = None  # the model the surrogate was trained for
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "mlp"):
+            raise KVResearchError(f"surrogate kind must be 'linear' or 'mlp', got {self.kind!r}")
+
+
+class Surrogate(nn.Module):
+    """Maps h (rows, layers, hidden) to predicted log KVzip+ (rows, layers, kv_heads)."""
+
+    def __init__(self, config: SurrogateConfig):
+        super().__init__()
+        if config.kind == "mlp" and config.mlp_hidden is None:
+            config = SurrogateConfig(**{**asdict(config), "mlp_hidden": config.hidden // 8})
+        self.config = config
+        L, D, H = config.layers, config.hidden, config.kv_heads
+        widths = [D, H] if config.kind == "linear" else [D, int(config.mlp_hidden or 0), H]
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for fan_in, fan_out in itertools.pairwise(widths):
+            bound = 1 / math.sqrt(fan_in)  # nn.Linear's default initialisation, per layer
+            self.weights.append(nn.Parameter(torch.empty(L, fan_in, fan_out).uniform_(-bound, bound)))
+            self.biases.append(nn.Parameter(torch.empty(L, fan_out).uniform_(-bound, bound)))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (rows, layers, hidden) -> (rows, layers, kv_heads)."""
+        x = h.to(self.weights[0].dtype).transpose(0, 1)  # (L, rows, D)
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            x = torch.baddbmm(b[:, None, :], x, w)  # (L, rows, out)
+            if i < len(self.weights) - 1:
+                x = nn.functional.gelu(x)
+        return x.transpose(0, 1)
+
+    def forward_layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """One layer's scores: h (..., hidden) -> (..., kv_heads), for use inside a forward pass."""
+        x = h.to(self.weights[0].dtype)
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            x = torch.addmm(b[layer], x.reshape(-1, x.shape[-1]), w[layer]).view(*x.shape[:-1], -1)
+            if i < len(self.weights) - 1:
+                x = nn.functional.gelu(x)
+        return x
+
+    def flops_per_token(self) -> int:
+        """Multiply-adds x 2 per token per layer."""
+        return sum(2 * w.shape[1] * w.shape[2] for w in self.weights)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"weight.{i}": w.detach().contiguous() for i, w in enumerate(self.weights)}
+        tensors |= {f"bias.{i}": b.detach().contiguous() for i, b in enumerate(self.biases)}
+        save_file(tensors, str(folder / WEIGHTS_NAME))
+        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: Path | str, expect_model: str | None = None) -> Surrogate:
+        folder = Path(folder)
+        if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+            raise KVResearchError(
+                f"No surrogate at {folder} (expected {CONFIG_NAME} and {WEIGHTS_NAME}). Train one with "
+                "`make train-surrogate` or point the method's surrogate path at a train_surrogate run's export/ folder."
+            )
+        config = SurrogateConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+        if expect_model is not None and config.model not in (None, expect_model):
+            raise KVResearchError(
+                f"The surrogate at {folder} was trained for model '{config.model}', not '{expect_model}'. "
+                f"Train one for {expect_model} (make train-surrogate ARGS='model={expect_model}')."
+            )
+        module = cls(config)
+        tensors = load_file(str(folder / WEIGHTS_NAME))
+        with torch.no_grad():
+            for i, (w, b) in enumerate(zip(module.weights, module.biases, strict=True)):
+                w.copy_(tensors[f"weight.{i}"])
+                b.copy_(tensors[f"bias.{i}"])
+        return module
