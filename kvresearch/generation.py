@@ -19,22 +19,25 @@ _SPLIT = "\x00KVR_SPLIT\x00"
 
 @dataclass
 class Prompt:
-    context_ids: torch.Tensor  # (1, context_len)
+    context_ids: torch.Tensor  # (1, context_len): template head, then the context itself
     question_ids: torch.Tensor  # (1, question_len)
+    head_len: int = 0  # template tokens before the context (system prompt, user header)
 
 
 def build_prompt(tokenizer: Any, context: str, question: str, answer_prefix: str = "") -> Prompt:
     """Chat-template ``context`` + ``question``; return the context part and the question part as ids."""
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + _SPLIT}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": _SPLIT + context + _SPLIT}], add_generation_prompt=True, tokenize=False
         )
-        head, tail = rendered.split(_SPLIT)
+        head, _, tail = rendered.split(_SPLIT)
     else:
-        head, tail = context, "\n"
-    context_ids = tokenizer(head, add_special_tokens=False, return_tensors="pt").input_ids
-    question_ids = tokenizer(question + tail + answer_prefix, add_special_tokens=False, return_tensors="pt").input_ids
-    return Prompt(context_ids, question_ids)
+        head, tail = "", "\n"
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    head_ids = encode(head)  # tokenised apart from the context, as in the repeat prompt of capture.py
+    context_ids = torch.tensor([head_ids + encode(context)])
+    question_ids = torch.tensor([encode(question + tail + answer_prefix)])
+    return Prompt(context_ids, question_ids, len(head_ids))
 
 
 @dataclass

@@ -76,10 +76,10 @@ def test_adapter_qkv_equal_the_models_own(family: str, attn: str) -> None:
 def test_hooks_are_removed_after_the_block() -> None:
     model = tiny_family("llama")
     adapter = ModelAdapter(model)
-    before = dict(ALL_ATTENTION_FUNCTIONS._global_mapping)
+    before = dict(ALL_ATTENTION_FUNCTIONS._global_mapping), dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
     with attention_calls(adapter, lambda *a: None), attention_inputs(adapter, {}):
-        pass
-    assert dict(ALL_ATTENTION_FUNCTIONS._global_mapping) == before
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before[0]["sdpa"]
+    assert (dict(ALL_ATTENTION_FUNCTIONS._global_mapping), dict(ALL_ATTENTION_FUNCTIONS._local_mapping)) == before
     assert all(not layer.attn._forward_pre_hooks for layer in adapter.layers)
     with pytest.raises(ZeroDivisionError), attention_inputs(adapter, {}):
         raise ZeroDivisionError

@@ -25,9 +25,10 @@ AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], No
 def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Iterator[None]:
     """Call ``callback`` with the post-rotary q, k, v of every attention call inside the block."""
     impl = adapter.config._attn_implementation or "eager"
-    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
-    had_entry = impl in mapping
-    original: Any = mapping.get(impl)
+    # Overrides go into the interface's local mapping, which wins over the class-wide one (kvpress patches there).
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    had_local, previous = impl in local, local.get(impl)
+    original: Any = ALL_ATTENTION_FUNCTIONS.get(impl)
     if original is None:  # eager lives in each modeling file, not in the registry
         module = __import__(type(adapter.layers[0].attn).__module__, fromlist=["eager_attention_forward"])
         original = module.eager_attention_forward
@@ -36,14 +37,14 @@ def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Itera
         callback(int(module.layer_idx), query, key, value)
         return original(module, query, key, value, *args, **kw)
 
-    mapping[impl] = recorder
+    local[impl] = recorder
     try:
         yield
     finally:
-        if had_entry:
-            mapping[impl] = original
+        if had_local:
+            local[impl] = previous
         else:
-            del mapping[impl]
+            del local[impl]
 
 
 @contextmanager

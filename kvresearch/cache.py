@@ -1,0 +1,282 @@
+"""A compressed KV cache with real eviction: ragged per KV head, packed storage, additive logit bias.
+
+Per layer, KV head ``h`` owns the rows ``starts[h] : starts[h] + lengths[h]`` of one packed buffer per
+field: keys and values (cap, head_dim), bias (cap,) float32 and pos (cap,) int64, the rotary position of
+each entry. New tokens are appended (capacity doubles when a head runs out); evicted entries are first
+masked (bias = -inf) and physically removed by :meth:`RaggedLayer.compact`, which reallocates the
+buffers at the size of what is kept, so memory falls. The cache reports the original number of tokens
+as its sequence length, so the rotary positions of new tokens continue from the original length.
+
+Attention over it runs through the ``kvr_ragged`` attention implementation registered below (the torch
+reference in ``ops/attention.py`` on CPU, the Triton decode kernel on CUDA); with an ordinary cache the
+same implementation falls back to sdpa. Batch size 1 only: a larger batch is refused with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvresearch.errors import KVResearchError
+from kvresearch.ops.attention import ragged_attention
+
+IMPLEMENTATION = "kvr_ragged"
+DEAD = float("-inf")
+
+
+class RaggedLayer(CacheLayerMixin):
+    """One layer's ragged storage (see the module docstring)."""
+
+    is_sliding = False
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window  # sliding-window layers mask by position (and may evict beyond the window)
+
+    # ------------------------------------------------------------------ transformers' cache protocol
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[0] != 1:
+            raise KVResearchError(
+                f"The compressed cache supports batch size 1 (got {key_states.shape[0]}): run samples one at a time."
+            )
+        _, kv_heads, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.k = key_states.new_empty(0, d)
+        self.v = value_states.new_empty(0, value_states.shape[-1])
+        self.bias = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.pos = torch.empty(0, dtype=torch.long, device=self.device)
+        self.starts = torch.zeros(kv_heads, dtype=torch.long)
+        self.lengths = torch.zeros(kv_heads, dtype=torch.long)
+        self.caps = torch.zeros(kv_heads, dtype=torch.long)
+        self.dead = torch.zeros(kv_heads, dtype=torch.long)
+        self.seen = 0  # tokens ever appended: the sequence length the model sees
+        self.new_positions = torch.empty(0, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
+    ) -> tuple[Any, Any]:
+        """Append (1, kv_heads, T, d) new keys/values; the attention function reads this layer directly."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[2]
+        positions = (cache_kwargs or {}).get("cache_position")
+        if positions is None:
+            positions = torch.arange(self.seen, self.seen + n_new, device=self.device)
+        self.append(key_states[0], value_states[0], positions.to(self.device))
+        return self, self
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        # The ragged attention builds its masks from entry positions; ask transformers for none.
+        return cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The dense shape this layer stands for, (1, kv_heads, seen, head_dim), for code that inspects keys."""
+        return (1, len(self.caps), self.seen, self.k.shape[1])
+
+    # ------------------------------------------------------------------ storage
+    def append(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
+        """k, v: (kv_heads, T, d); positions (T,); bias (kv_heads, T) or None (zeros)."""
+        n_new = k.shape[1]
+        need = self.lengths + n_new
+        if bool((need > self.caps).any()):
+            self._relayout(torch.maximum(2 * self.caps, need), None)
+        rows = (self.starts + self.lengths)[:, None] + torch.arange(n_new)  # (Hkv, T)
+        rows = rows.reshape(-1).to(self.device)
+        self.k[rows] = k.reshape(-1, k.shape[-1]).to(self.dtype)
+        self.v[rows] = v.reshape(-1, v.shape[-1]).to(self.dtype)
+        self.bias[rows] = 0.0 if bias is None else bias.reshape(-1).float().to(self.device)
+        self.pos[rows] = positions.repeat(k.shape[0])
+        self.lengths += n_new
+        self.seen = max(self.seen, int(positions.max()) + 1)
+        self.new_positions = positions
+
+    def _relayout(self, caps: torch.Tensor, keep: Sequence[torch.Tensor] | None) -> None:
+        """Reallocate with per-head capacities ``caps``, copying all entries or only ``keep[h]`` (indices)."""
+        starts = torch.cumsum(caps, 0) - caps
+        total = int(caps.sum())
+        k = self.k.new_empty(total, self.k.shape[1])
+        v = self.v.new_empty(total, self.v.shape[1])
+        bias = self.bias.new_full((total,), DEAD)
+        pos = self.pos.new_zeros(total)
+        lengths = torch.zeros_like(self.lengths)
+        for h in range(len(caps)):
+            src = self.head_rows(h) if keep is None else int(self.starts[h]) + keep[h].to(self.device)
+            dst = slice(int(starts[h]), int(starts[h]) + len(src))
+            k[dst], v[dst], bias[dst], pos[dst] = self.k[src], self.v[src], self.bias[src], self.pos[src]
+            lengths[h] = len(src)
+        self.k, self.v, self.bias, self.pos = k, v, bias, pos
+        self.starts, self.lengths, self.caps = starts, lengths, caps.clone()
+
+    def head_rows(self, h: int) -> torch.Tensor:
+        start = int(self.starts[h])
+        return torch.arange(start, start + int(self.lengths[h]), device=self.device)
+
+    def head_positions(self, h: int) -> torch.Tensor:
+        return self.pos[self.head_rows(h)]
+
+    def alive(self, h: int) -> torch.Tensor:
+        """(lengths[h],) bool: entries of head h not evicted."""
+        return self.bias[self.head_rows(h)] != DEAD
+
+    def evict(self, h: int, positions: torch.Tensor) -> int:
+        """Mask the entries of head h at these rotary positions; returns how many were alive."""
+        rows = self.head_rows(h)
+        hit = torch.isin(self.pos[rows], positions.to(self.device)) & (self.bias[rows] != DEAD)
+        self.bias[rows[hit]] = DEAD
+        n = int(hit.sum())
+        self.dead[h] += n
+        return n
+
+    def compact(self, slack: int = 0) -> None:
+        """Physically remove masked entries: buffers shrink to what is kept (+ ``slack`` rows per head)."""
+        keep = [torch.nonzero(self.alive(h)).view(-1) for h in range(len(self.caps))]
+        self._relayout(torch.tensor([len(k) + slack for k in keep]), keep)
+        self.dead.zero_()
+
+    def keep_only(self, keep: Sequence[torch.Tensor]) -> None:
+        """Keep, per head, the entries at indices ``keep[h]`` (into the head's current entries)."""
+        self._relayout(torch.tensor([len(k) for k in keep]), keep)
+        self.dead.zero_()
+
+    def set_bias(self, h: int, bias: torch.Tensor) -> None:
+        self.bias[self.head_rows(h)] = bias.float().to(self.device)
+
+    # ------------------------------------------------------------------ accounting
+    def kept_per_head(self) -> torch.Tensor:
+        return self.lengths - self.dead
+
+    def entry_bytes(self) -> int:
+        """Bytes of one entry: key, value, bias (fp32) and position (int64)."""
+        return (self.k.shape[1] + self.v.shape[1]) * self.k.element_size() + 4 + 8
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Dense-equivalent bytes (seen tokens, keys + values only), kept and allocated bytes."""
+        per_kv = (self.k.shape[1] + self.v.shape[1]) * self.k.element_size()
+        return {
+            "dense": self.seen * len(self.caps) * per_kv,
+            "kept": int(self.kept_per_head().sum()) * self.entry_bytes(),
+            "allocated": int(self.caps.sum()) * self.entry_bytes(),
+        }
+
+
+class RaggedCache(Cache):
+    """One :class:`RaggedLayer` per decoder layer; plugs into transformers as ``past_key_values``."""
+
+    def __init__(self, num_layers: int, windows: Sequence[int | None] | None = None):
+        windows = list(windows) if windows is not None else [None] * num_layers
+        super().__init__(layers=[RaggedLayer(w) for w in windows])
+        self.method_state: dict[str, Any] = {}  # a method's per-cache state (e.g. KVzap's pending window)
+
+    @property
+    def ragged(self) -> list[RaggedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, RaggedLayer)]
+
+    def kv_bytes(self) -> dict[str, int]:
+        totals = {"dense": 0, "kept": 0, "allocated": 0}
+        for layer in self.ragged:
+            if layer.is_initialized:
+                for key, value in layer.kv_bytes().items():
+                    totals[key] += value
+        return totals
+
+    def compact(self, slack: int = 0) -> None:
+        for layer in self.ragged:
+            if layer.is_initialized:
+                layer.compact(slack)
+
+    def stats(self) -> dict[str, Any]:
+        """Tokens seen and kept per layer and KV head, prune ratios, KV bytes (dense-equivalent, kept, allocated)."""
+        layers = [layer for layer in self.ragged if layer.is_initialized]
+        kept = [layer.kept_per_head().tolist() for layer in layers]
+        seen = [layer.seen * len(k) for layer, k in zip(layers, kept, strict=True)]
+        total_seen, total_kept = sum(seen), sum(sum(k) for k in kept)
+        return {
+            "tokens_seen": total_seen,
+            "tokens_kept": total_kept,
+            "prune_ratio": 1 - total_kept / total_seen if total_seen else 0.0,
+            "prune_ratio_per_layer": [1 - sum(k) / s if s else 0.0 for s, k in zip(seen, kept, strict=True)],
+            "kept_per_layer_head": kept,
+            "kv_bytes": self.kv_bytes(),
+        }
+
+    @classmethod
+    def from_dynamic(cls, cache: DynamicCache, keep: Sequence[Sequence[torch.Tensor]] | None = None) -> RaggedCache:
+        """A ragged copy of a dense cache (positions 0..T-1), optionally keeping only ``keep[layer][head]``."""
+        out = cls(len(cache.layers))
+        for i, (src, dst) in enumerate(zip(cache.layers, out.ragged, strict=True)):
+            keys, values = src.keys, src.values  # (1, Hkv, T, d)
+            assert keys is not None and values is not None, "the dense cache has an empty layer"
+            dst.update(keys, values, {"cache_position": torch.arange(keys.shape[2], device=keys.device)})
+            if keep is not None:
+                dst.keep_only(keep[i])
+        return out
+
+
+def ragged_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: Any,
+    value: Any,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ragged cache -> our attention; anything else -> sdpa."""
+    if not isinstance(key, RaggedLayer):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    layer = key
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    window = sliding_window if sliding_window is not None else layer.window
+    args = (query[0], layer.new_positions, layer.k, layer.v, layer.bias, layer.pos, layer.starts, layer.lengths, scale)
+    if query.is_cuda and query.shape[2] <= 16:
+        from kvresearch.ops.triton_decode import ragged_decode
+
+        out = ragged_decode(*args, window=window)
+    else:
+        out = ragged_attention(*args, window=window)
+    return out.transpose(0, 1)[None], None  # (1, T, Hq, d)
+
+
+ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ragged_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+
+
+@contextmanager
+def ragged_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
+    """Switch the model to the ``kvr_ragged`` attention implementation inside the block."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

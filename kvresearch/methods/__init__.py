@@ -1,0 +1,1 @@
+"""Compression methods: small objects built from config that write into the ragged cache."""

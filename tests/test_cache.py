@@ -1,0 +1,142 @@
+"""The ragged compressed cache: exactness against dense attention, eviction, positions, memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvresearch.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
+from kvresearch.errors import KVResearchError
+from kvresearch.models import ModelAdapter
+from kvresearch.ops.attention import dense_reference, ragged_attention
+from tests.test_models import tiny_family
+
+
+def packed(keys, values, bias, pos):
+    """Pack per-head lists into the ragged layout."""
+    lengths = torch.tensor([len(k) for k in keys])
+    starts = torch.cumsum(lengths, 0) - lengths
+    return torch.cat(keys), torch.cat(values), torch.cat(bias), torch.cat(pos), starts, lengths
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_ragged_attention_equals_dense_brute_force(window) -> None:
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, n, d, t = 6, 3, 20, 8, 4
+    k, v = torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, d, generator=g)
+    bias = torch.randn(hkv, n, generator=g)
+    q = torch.randn(hq, t, d, generator=g)
+    q_pos = torch.arange(n - t, n)
+    keep = [torch.randperm(n, generator=g)[: 5 + 4 * h].sort().values for h in range(hkv)]  # ragged
+    keep[0] = torch.cat([keep[0], torch.arange(n - t, n)]).unique()
+    ours = ragged_attention(
+        q,
+        q_pos,
+        *packed(
+            [k[h, keep[h]] for h in range(hkv)],
+            [v[h, keep[h]] for h in range(hkv)],
+            [bias[h, keep[h]] for h in range(hkv)],
+            keep,
+        ),
+        0.3,
+        window=window,
+    )
+    visible = torch.zeros(hkv, t, n, dtype=torch.bool)
+    for h in range(hkv):
+        visible[h][:, keep[h]] = True
+    delta = q_pos[:, None] - torch.arange(n)[None]
+    visible &= (delta >= 0) if window is None else (delta >= 0) & (delta < window)
+    torch.testing.assert_close(ours.double(), dense_reference(q, k, v, bias, visible, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def run_steps(model, cache, ids, steps=4):
+    """Prefill ids (1, T) then greedy steps; returns the logits of every step."""
+    logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]]
+    for _ in range(steps):
+        token = logits[-1].argmax().view(1, 1)
+        logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1])
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_ragged_cache_without_eviction_equals_full_attention(family) -> None:
+    model = tiny_family(family)
+    ids = torch.randint(0, 97, (1, 23), generator=torch.Generator().manual_seed(0))
+    reference = run_steps(model, DynamicCache(), ids)
+    adapter = ModelAdapter(model)
+    with ragged_attention_enabled(model):
+        cache = RaggedCache(adapter.num_layers, [layer.sliding_window for layer in adapter.layers])
+        ours = run_steps(model, cache, ids)
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    assert cache.get_seq_length() == 23 + 4
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_eviction_equals_attention_restricted_to_kept_entries_and_positions_continue() -> None:
+    model = tiny_family("llama")
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    drop = {(layer, h): torch.randperm(30, generator=g)[: 6 + 5 * h] for layer in range(3) for h in range(2)}
+    bias = {(layer, h): torch.randn(30, generator=g) for layer in range(3) for h in range(2)}
+
+    # Ours: prefill, evict (ragged per head), add a bias, compact; then one decoding step.
+    with ragged_attention_enabled(model):
+        cache = RaggedCache(3)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        before = cache.kv_bytes()["allocated"]
+        for layer_index, layer in enumerate(cache.ragged):
+            for h in range(2):
+                layer.set_bias(h, bias[layer_index, h])
+                layer.evict(h, drop[layer_index, h])
+        cache.compact()
+        assert cache.kv_bytes()["allocated"] < before  # memory falls
+        assert cache.get_seq_length() == 30  # the next token is at position 30, not at the kept count
+        ours = model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        assert cache.ragged[0].new_positions.tolist() == [30]
+
+    # Reference: dense cache, float64 brute-force attention with the same per-head visibility and bias.
+    def masked(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer_index = int(module.layer_idx)
+        n = key.shape[2]
+        visible = torch.ones(2, query.shape[2], n, dtype=torch.bool)
+        full_bias = torch.zeros(2, n)
+        for h in range(2):
+            visible[h][:, drop[layer_index, h]] = False
+            full_bias[h, :30] = bias[layer_index, h]
+        out = dense_reference(query[0], key[0], value[0], full_bias, visible, scaling)
+        return out.to(query.dtype).transpose(0, 1)[None], None
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register("test_masked", masked)
+    dense = DynamicCache()
+    model(input_ids=ids, past_key_values=dense, use_cache=True)
+    model.set_attn_implementation("test_masked")
+    try:
+        reference = model(input_ids=torch.tensor([[5]]), past_key_values=dense, use_cache=True).logits[0, -1]
+    finally:
+        model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
+    kept = cache.ragged[1].kept_per_head().tolist()
+    assert kept == [31 - 6, 31 - 11]
+
+
+def test_append_grows_and_compact_shrinks_storage() -> None:
+    layer = RaggedLayer()
+    k = torch.randn(1, 2, 10, 4)
+    layer.update(k, k, {"cache_position": torch.arange(10)})
+    for step in range(10, 40):
+        layer.update(k[:, :, :1], k[:, :, :1], {"cache_position": torch.tensor([step])})
+    assert layer.lengths.tolist() == [40, 40] and bool((layer.caps >= 40).all())
+    layer.evict(0, torch.arange(0, 30))
+    layer.compact()
+    assert layer.lengths.tolist() == [10, 40] and layer.k.shape[0] == 50
+    assert layer.head_positions(0).tolist() == list(range(30, 40))
+    assert layer.kv_bytes()["kept"] == 50 * layer.entry_bytes()
+
+
+def test_batch_larger_than_one_is_refused() -> None:
+    layer = RaggedLayer()
+    with pytest.raises(KVResearchError, match="batch size 1"):
+        layer.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))

@@ -1,0 +1,142 @@
+"""KVzap pruning with real eviction: the rule, chunked prefill, decoding, and kvpress side by side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvresearch.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.methods.kvzap import KVzap
+from kvresearch.models import ModelAdapter
+from kvresearch.models.hooks import attention_inputs
+from kvresearch.surrogate import Surrogate, SurrogateConfig
+
+T, WINDOW = 200, 32
+
+
+def random_surrogate(adapter: ModelAdapter, kind: str = "mlp") -> Surrogate:
+    torch.manual_seed(0)
+    return Surrogate(SurrogateConfig(kind, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)).eval()
+
+
+def dense_scores(model, adapter, surrogate, ids):
+    """Surrogate scores of every token from one dense forward pass: {layer: (Hkv, T)}."""
+    inputs: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), attention_inputs(adapter, inputs):
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        return {i: surrogate.forward_layer(i, inputs[i][0]).T for i in inputs}
+
+
+def prefill(model, adapter, pruner, ids, chunk=None):
+    cache = RaggedCache(adapter.num_layers)
+    with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
+        for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+            model(input_ids=ids[:, start : start + (chunk or ids.shape[1])], past_key_values=cache, use_cache=True)
+    return cache, cache.stats()
+
+
+@pytest.fixture
+def setup(tiny):
+    adapter = ModelAdapter(tiny.model)
+    ids = torch.randint(3, 4000, (1, T), generator=torch.Generator().manual_seed(0))
+    surrogate = random_surrogate(adapter)
+    scores = dense_scores(tiny.model, adapter, surrogate, ids)
+    return tiny.model, adapter, ids, surrogate, scores, threshold_between(scores, 0.5)
+
+
+def threshold_between(scores, quantile: float) -> float:
+    """A threshold near ``quantile`` in the widest gap between neighbouring scores (robust to float noise)."""
+    values = torch.cat([s.flatten() for s in scores.values()]).sort().values
+    mid = int(quantile * len(values))
+    gaps = values[mid - 50 : mid + 50].diff()
+    i = mid - 50 + int(gaps.argmax())
+    return float(values[i] + values[i + 1]) / 2
+
+
+def test_single_pass_prefill_evicts_exactly_the_low_scores_outside_the_window(setup) -> None:
+    model, adapter, ids, surrogate, scores, tau = setup
+    cache, stats = prefill(model, adapter, KVzap(surrogate, tau, window=WINDOW), ids)
+    for index, layer in enumerate(cache.ragged):
+        for h in range(adapter.num_kv_heads):
+            s = scores[index][h]
+            expected = [i for i in range(T) if i >= T - WINDOW or s[i] >= tau]
+            assert layer.head_positions(h).tolist() == expected
+    assert 0.3 < stats["prune_ratio"] < 0.6 and stats["tokens_seen"] == T * 3 * 2
+    assert cache.kv_bytes()["allocated"] == stats["tokens_kept"] * cache.ragged[0].entry_bytes()
+
+
+def test_chunked_prefill_keeps_the_window_and_only_evicts_below_threshold(setup) -> None:
+    model, adapter, ids, surrogate, _, tau = setup
+    inputs: dict[int, list[torch.Tensor]] = {}
+    peak = []
+
+    pruner = KVzap(surrogate, tau, window=WINDOW)
+    cache = RaggedCache(adapter.num_layers)
+    with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
+        for start in range(0, T, 50):
+            captured: dict[int, torch.Tensor] = {}
+            with attention_inputs(adapter, captured):
+                model(input_ids=ids[:, start : start + 50], past_key_values=cache, use_cache=True)
+            for i, h in captured.items():
+                inputs.setdefault(i, []).append(h[0])
+            peak.append(cache.kv_bytes()["allocated"])
+    for index, layer in enumerate(cache.ragged):
+        s = surrogate.forward_layer(index, torch.cat(inputs[index])).T
+        for h in range(adapter.num_kv_heads):
+            kept = set(layer.head_positions(h).tolist())
+            assert set(range(T - WINDOW, T)) <= kept
+            evicted = set(range(T)) - kept
+            assert all(float(s[h, i]) < tau for i in evicted) and all(
+                float(s[h, i]) >= tau or i >= T - WINDOW for i in kept
+            )
+    entry = cache.ragged[0].entry_bytes()
+    assert max(peak) <= (max(sum(layer.lengths.tolist()) for layer in cache.ragged) + 50 * 2) * entry * 3
+    assert cache.stats()["prune_ratio"] > 0.2
+
+
+def test_a_threshold_that_evicts_everything_still_keeps_the_window(setup) -> None:
+    model, adapter, ids, surrogate, _, _ = setup
+    cache, _ = prefill(model, adapter, KVzap(surrogate, float("inf"), window=WINDOW), ids)
+    assert all(layer.kept_per_head().tolist() == [WINDOW, WINDOW] for layer in cache.ragged)
+    # Decoding with the pruner attached keeps the cache at the window.
+    pruner = KVzap(surrogate, float("inf"), window=WINDOW, decoding=True)
+    with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
+        for _ in range(10):
+            model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == T + 10
+    assert all(layer.kept_per_head().tolist() == [WINDOW, WINDOW] for layer in cache.ragged)
+    assert all(layer.head_positions(0).min() == T + 10 - WINDOW for layer in cache.ragged)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_path, kind) -> None:
+    from kvpress import DMSPress, KVzapPress
+
+    from kvresearch.surrogate.export import to_kvpress
+
+    model, adapter, ids, _, _, _ = setup
+    surrogate = random_surrogate(adapter, kind)
+    scores = dense_scores(model, adapter, surrogate, ids)
+    tau = threshold_between(scores, 0.4)
+    ours, _ = prefill(model, adapter, KVzap(surrogate, tau, window=WINDOW), ids)
+
+    to_kvpress(surrogate, tmp_path)
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    scorer = KVzapPress(model_type=kind)
+    scorer.kvzap_model_name = f"nvidia/KVzap-{kind}-{model.config.name_or_path.split('/')[-1]}"
+    scorer.kvzap_model = KVzapModel.from_pretrained(tmp_path)
+    press = DMSPress(scorer, threshold=tau, sliding_window_size=WINDOW)
+    dense = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=ids, past_key_values=dense, use_cache=True)
+    for index, spec in enumerate(adapter.layers):
+        _, heads, positions = (t.tolist() for t in spec.attn.masked_key_indices)
+        theirs = {(h, p) for h, p in zip(heads, positions, strict=True)}
+        mine = {(h, p) for h in range(adapter.num_kv_heads) for p in range(T)} - {
+            (h, p) for h in range(adapter.num_kv_heads) for p in ours.ragged[index].head_positions(h).tolist()
+        }
+        assert mine == theirs
+        assert dense.layers[index].keys.shape[2] == T  # kvpress keeps every pair in memory
+    assert ours.kv_bytes()["kept"] < 0.8 * ours.kv_bytes()["dense"]
