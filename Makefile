@@ -8,13 +8,14 @@ TORCH ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/lock.txt
 PY := $(VENV)/bin/python
 OUTPUTS := $(or $(KVRESEARCH_OUTPUTS),outputs)
+KVZAP_THRESHOLDS ?= -5,-6,-7
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract train-surrogate clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap train-surrogate evaluate sweep-ruler tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -62,12 +63,33 @@ train-surrogate: $(STAMP) $(OUTPUTS)/extract/default/DONE ## linear + MLP surrog
 	$(PY) -m kvresearch.stages.train_surrogate -m surrogate=linear,mlp $(ARGS)
 	$(PY) scripts/surrogate_table.py --root $(OUTPUTS) --per-layer
 
+evaluate: $(STAMP) ## one evaluate run: make evaluate ARGS="method=kvzap_mlp method.threshold=-4"
+	$(PY) -m kvresearch.stages.evaluate $(ARGS)
+
+RULER_SMALL := benchmark.lengths=[2048] benchmark.samples_per_task=2 evaluate.max_new_tokens=48 \
+  benchmark.tasks=[niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue,vt]
+EVAL := $(PY) -m kvresearch.stages.evaluate -m $(RULER_SMALL)
+
+sweep-ruler: $(STAMP) ## the first result: RULER 2k on the embedded model, KVzap vs KVzip+ vs kvpress presses
+	$(EVAL) method=full
+	$(EVAL) method=kvzap_mlp,kvzap_linear method.threshold=$(KVZAP_THRESHOLDS)
+	$(EVAL) method=kvzip_plus method.keep_ratio=0.5,0.33
+	$(EVAL) method=snapkv,streaming_llm method.press.compression_ratio=0.5,0.67
+
+tables: $(STAMP) ## every evaluate run -> docs/results/ruler_table.md and ruler_curve.png
+	$(PY) scripts/make_tables.py --root $(OUTPUTS) --out docs/results
+
 bench-extract: $(STAMP) ## extraction speed and memory vs the eager reference (outputs/bench/extract.json)
 	$(PY) scripts/bench_extract.py
 
-reproduce: $(STAMP) ## the main job on the embedded default model: needle check, extract, surrogates
+bench-kvzap: $(STAMP) ## KVzap vs full cache vs kvpress: overhead, KV bytes, decode speed (outputs/bench/kvzap.json)
+	$(PY) scripts/bench_kvzap.py --surrogates $(OUTPUTS)/train_surrogate
+
+reproduce: $(STAMP) ## the main job on the embedded model: needle, extract, surrogates, RULER sweep, table
 	$(PY) -m kvresearch.stages.needle
 	$(MAKE) --no-print-directory train-surrogate
+	$(MAKE) --no-print-directory sweep-ruler
+	$(MAKE) --no-print-directory tables
 
 clean: ## remove caches (keeps outputs/ and the venv)
 	rm -rf .mypy_cache .ruff_cache .pytest_cache

@@ -2,7 +2,7 @@
 
 Per layer, KV head ``h`` owns the rows ``starts[h] : starts[h] + lengths[h]`` of one packed buffer per
 field: keys and values (cap, head_dim), bias (cap,) float32 and pos (cap,) int64, the rotary position of
-each entry. New tokens are appended (capacity doubles when a head runs out); evicted entries are first
+each entry. New tokens are appended (a head that runs out grows by a quarter); evicted entries are first
 masked (bias = -inf) and physically removed by :meth:`RaggedLayer.compact`, which reallocates the
 buffers at the size of what is kept, so memory falls. The cache reports the original number of tokens
 as its sequence length, so the rotary positions of new tokens continue from the original length.
@@ -96,8 +96,8 @@ class RaggedLayer(CacheLayerMixin):
         """k, v: (kv_heads, T, d); positions (T,); bias (kv_heads, T) or None (zeros)."""
         n_new = k.shape[1]
         need = self.lengths + n_new
-        if bool((need > self.caps).any()):
-            self._relayout(torch.maximum(2 * self.caps, need), None)
+        if bool((need > self.caps).any()):  # grow by a quarter (at least 64 rows): <= 25% slack
+            self._relayout(torch.maximum(self.caps + torch.clamp(self.caps // 4, min=64), need), None)
         rows = (self.starts + self.lengths)[:, None] + torch.arange(n_new)  # (Hkv, T)
         rows = rows.reshape(-1).to(self.device)
         self.k[rows] = k.reshape(-1, k.shape[-1]).to(self.dtype)

@@ -186,5 +186,5 @@ def test_hydra_multirun_over_surrogate_types(tmp_path: Path) -> None:
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    runs = sorted(p.name for p in (tmp_path / "out" / "train_surrogate").iterdir())
+    runs = sorted(p.name for p in (tmp_path / "out" / "train_surrogate").iterdir() if p.is_dir())
     assert len(runs) == 2 and all((tmp_path / "out" / "train_surrogate" / r / "DONE").is_file() for r in runs)

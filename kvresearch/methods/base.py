@@ -94,6 +94,7 @@ class FullCache:
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
         cache = session.new_cache()
         ragged_prefill(session, prompt.context_ids, cache, self.chunk_size)
+        cache.compact()  # shrink the buffers to the context
         return cache
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:

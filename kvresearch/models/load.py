@@ -85,6 +85,9 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
     Raises:
         KVResearchError: unknown source, missing package, or a hub model neither cached nor reachable.
     """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no per-tensor loading bars in logs
     source = cfg.get("source")
     if source == "hub":  # first, so that an unavailable model fails within seconds whatever else is wrong
         hub.ensure_available(cfg["repo_id"], cfg.get("revision"))

@@ -13,6 +13,7 @@ KVzapModel layout), ``metrics.json`` with the fit metrics on the corpus's test d
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -48,6 +49,7 @@ def fit_ridge(surrogate: Surrogate, run: ExtractRun, rows: np.ndarray, alpha: fl
 
 def fit_sgd(surrogate: Surrogate, run: ExtractRun, cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     s = cfg.surrogate
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner lines per run
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = ShardDataModule(run, s.batch_size, s.val_fraction, cfg.seed)
     module = SurrogateModule(surrogate, s.lr, s.weight_decay, s.epochs)

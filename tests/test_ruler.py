@@ -1,0 +1,102 @@
+"""RULER generated offline: needles and answers where the metric expects them, lengths, metrics, loaders."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvresearch.benchmarks import ruler
+from kvresearch.benchmarks.loader import load_samples
+from kvresearch.benchmarks.metrics import string_match_all, string_match_part
+
+
+def n_tokens(tok, sample) -> int:
+    return len(tok(sample["context"] + "\n" + sample["question"], add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize("length", [1024, 2048])
+@pytest.mark.parametrize("task", ruler.OFFLINE_TASKS)
+def test_each_task_holds_its_answers_and_fits_its_length(task, length, tiny) -> None:
+    tok = tiny.tokenizer
+    sample = ruler.make_sample(task, tok, length, seed=42, index=0)
+    context, answers = sample["context"], sample["answer"]
+    kind = ruler.TASKS[task]["task"]
+    if kind == "niah":
+        spec = ruler.TASKS[task]
+        assert len(answers) == spec["num_needle_v"] * spec["num_needle_q"]
+        for value in answers:
+            assert re.search(rf"One of the special magic \w+ for [\w-]+ is: {re.escape(value)}\.", context)
+        assert all(q in sample["question"] for q in re.findall(r"for ([\w-]+(?:, [\w-]+)*)", sample["question"]))
+    elif kind == "variable_tracking":
+        value = re.search(r"assigned the value (\d+)", sample["question"]).group(1)
+        assert f"VAR {answers[0]} = {value}" in context
+        for prev, nxt in itertools.pairwise(answers):
+            assert f"VAR {nxt} = VAR {prev}" in context
+    elif kind == "common_words_extraction":
+        words = Counter(re.findall(r"\d+\. (\S+)", context.split("Question:")[-1]))
+        top = {w for w, _ in words.most_common(10)}
+        assert set(answers) == top and len(answers) == 10
+    else:  # fwe
+        counts = Counter(w for w in context.split(". ", 1)[-1].split() if w != "...")
+        assert answers == [w for w, _ in counts.most_common(3)]
+    length_now = n_tokens(tok, sample) + ruler.TOKENS_TO_GENERATE[kind]
+    assert length_now == sample["length"] <= length
+    slack = 0.03 if task == "niah_multikey_3" else 0.02  # one uuid line is ~54 tokens: 2.6% of 2k
+    assert length_now >= (1 - slack) * length, (task, length_now)
+    assert ruler.make_sample(task, tok, length, seed=42, index=0) == sample
+    assert ruler.make_sample(task, tok, length, seed=42, index=1)["answer"] != answers
+
+
+@pytest.mark.parametrize("task", ruler.OFFLINE_TASKS)
+def test_a_known_good_prediction_scores_one_and_a_wrong_one_zero(task, tiny) -> None:
+    sample = ruler.make_sample(task, tiny.tokenizer, 1024, seed=7, index=0)
+    metric = {"string_match_all": string_match_all, "string_match_part": string_match_part}[
+        ruler.METRIC[ruler.TASKS[task]["task"]]
+    ]
+    assert metric(" " + ", ".join(sample["answer"]) + ".", sample["answer"]) == 1.0
+    assert metric("I do not know.", sample["answer"]) == 0.0
+
+
+def test_metrics_follow_ruler() -> None:
+    assert string_match_all("a 12 b 34", ["12", "34", "56", "78"]) == 0.5
+    assert string_match_part("Paris.\x07", ["paris", "Lyon"]) == 1.0
+
+
+def test_qa_on_a_fixture_fits_and_keeps_the_gold_document(tiny) -> None:
+    rows = [
+        {
+            "question": "Who wrote it?",
+            "answers": ["Ada Lovelace"],
+            "gold": ["The note was written by Ada Lovelace in 1843."],
+            "distractors": [f"Paragraph {i} talks about weather and rivers in detail. " * 3 for i in range(200)],
+        }
+    ]
+    (sample,) = ruler.qa_samples(rows, tiny.tokenizer, 1024, 1)
+    assert "Ada Lovelace in 1843" in sample["context"] and sample["length"] <= 1024
+    assert sample["length"] >= 0.95 * 1024 and sample["answer"] == ["Ada Lovelace"]
+
+
+def test_kvpress_hub_schema_loads_from_a_local_copy(tmp_path: Path, tiny) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [ruler.make_sample(t, tiny.tokenizer, 1024, 42, 0) for t in ("niah_single_1", "vt")]
+    table = pa.table(
+        {k: [r[k] for r in rows] for k in ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")}
+    )
+    pq.write_table(table, tmp_path / "ruler-1024.parquet")
+    cfg = {
+        "name": "ruler",
+        "source": "hub",
+        "tasks": ["vt"],
+        "lengths": [1024],
+        "samples_per_task": 5,
+        "data_files": str(tmp_path / "ruler-{length}.parquet"),
+    }
+    (sample,) = load_samples(cfg, tiny.tokenizer)
+    assert sample["id"] == "vt@1024#0" and sample["metric"] == "string_match_all"
+    assert sample["answer"] == rows[1]["answer"]
