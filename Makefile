@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/lock.txt
 PY := $(VENV)/bin/python
 OUTPUTS := $(or $(KVRESEARCH_OUTPUTS),outputs)
-KVZAP_THRESHOLDS ?= -5,-6,-7
+KVZAP_THRESHOLDS ?= -4.5,-3.5,-2.5
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export HF_HUB_DISABLE_PROGRESS_BARS := 1

@@ -1,4 +1,4 @@
-"""One sample through one method: compress the context once, answer each question from a copy of the cache.
+"""One sample through one method: compress the context once, answer from a copy of the cache.
 
 Also the fidelity metric of the Attention Matching paper: the log-perplexity of a reference answer
 (the full-cache model's own) under a compressed cache.
@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvresearch.cache import RaggedCache, ragged_attention_enabled
-from kvresearch.generation import Prompt, build_prompt, eos_ids, greedy
+from kvresearch.generation import Prompt, eos_ids, greedy
 from kvresearch.methods.base import Session
-
-
-@dataclass
-class Answer:
-    prediction: str
-    token_ids: list[int]
-    compress_s: float
-    decode_s: float
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 def compress(method: Any, session: Session, prompt: Prompt) -> tuple[RaggedCache, float]:
@@ -68,12 +54,3 @@ def answer_logprob(session: Session, cache: RaggedCache, question_ids: torch.Ten
     logprobs = torch.log_softmax(logits[n_q - 1 : -1].float(), dim=-1)
     target = torch.tensor(answer_ids, device=logprobs.device)
     return float(-logprobs.gather(1, target[:, None]).mean())
-
-
-def run_sample(method: Any, session: Session, sample: dict[str, Any]) -> tuple[RaggedCache, Answer]:
-    """Compress one kvpress-schema sample and answer its question greedily."""
-    prompt = build_prompt(session.tokenizer, sample["context"], sample["question"], sample.get("answer_prefix", ""))
-    cache, compress_s = compress(method, session, prompt)
-    tokens, decode_s = answer(method, session, cache, prompt.question_ids, int(sample.get("max_new_tokens", 32)))
-    text = session.tokenizer.decode(tokens, skip_special_tokens=True)
-    return cache, Answer(text, tokens, compress_s, decode_s, cache.stats())

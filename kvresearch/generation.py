@@ -8,7 +8,7 @@ which is fed after compression and is not compressed unless a method asks for it
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +46,6 @@ class Generation:
     prefill_s: float
     decode_s: float
     context_len: int
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -105,3 +105,46 @@ def test_cache_from_scores_threshold_and_window(session, prompt) -> None:
     assert cache.ragged[0].head_positions(1).tolist() == list(range(n - 20, n))
     cache = cache_from_scores(dense, [-s for s in scores], threshold=-9.0, window=5, sinks=2)
     assert cache.ragged[2].head_positions(0).tolist() == [*range(10), *range(n - 5, n)]
+
+
+def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:
+    from kvresearch.methods.kvzap import KVzapMethod
+    from kvresearch.surrogate import Surrogate, SurrogateConfig
+
+    adapter = session.adapter
+    Surrogate(SurrogateConfig("linear", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads,
+                              model="tiny_random")).save(tmp_path)  # fmt: skip
+    for scope in ("head", "layer", "global"):
+        method = KVzapMethod(str(tmp_path), keep_ratio=0.5, scope=scope, window=16, expect_model="tiny_random")
+        cache = method.compress(session, prompt)
+        n = prompt.context_ids.shape[1]
+        assert cache.stats()["prune_ratio"] == pytest.approx(0.5, abs=0.01)
+        for layer in cache.ragged:
+            for h in range(adapter.num_kv_heads):
+                assert set(range(n - 16, n)) <= set(layer.head_positions(h).tolist())
+
+
+def test_kvpress_own_kvzap_config_with_our_export(session, prompt, tmp_path) -> None:
+    from kvresearch.surrogate import Surrogate, SurrogateConfig
+    from kvresearch.surrogate.export import to_kvpress
+
+    adapter = session.adapter
+    torch.manual_seed(0)
+    to_kvpress(
+        Surrogate(SurrogateConfig("mlp", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)), tmp_path
+    )
+    cfg = method_config("kvpress_kvzap", [f"press.surrogate_path={tmp_path}", "press.threshold=0.0", "press.window=16"])
+    cache = instantiate(cfg).compress(session, prompt)
+    n = prompt.context_ids.shape[1]
+    assert 0.0 < cache.stats()["prune_ratio"] < 1.0
+    assert all(set(range(n - 16, n)) <= set(layer.head_positions(0).tolist()) for layer in cache.ragged)
+    assert torch.isfinite(next_logits_ragged(session, cache)).all()
+
+
+@pytest.mark.slow
+def test_kvpress_own_kvzip_press_on_the_embedded_model(smol) -> None:
+    sess = Session(ModelAdapter(smol.model), smol.tokenizer)
+    prompt = build_prompt(smol.tokenizer, "The capital of France is Paris. " * 20, "What is the capital of France?")
+    cache = instantiate(method_config("kvpress_kvzip", ["press.compression_ratio=0.5"])).compress(sess, prompt)
+    assert cache.stats()["prune_ratio"] == pytest.approx(0.5, abs=0.02)
+    assert cache.get_seq_length() == prompt.context_ids.shape[1]

@@ -56,19 +56,22 @@ def read_done(path: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
-def reference_answer(session: Session, prompt: Prompt, max_new_tokens: int, folder: Path) -> list[int]:
-    """The full-cache greedy answer of this prompt, computed once and kept on disk."""
+def reference_answer(
+    session: Session, prompt: Prompt, max_new_tokens: int, folder: Path, known: list[int] | None = None
+) -> list[int]:
+    """The full-cache greedy answer of this prompt, computed once (or ``known``) and kept on disk."""
     key = hashlib.sha1(
         json.dumps([prompt.context_ids.tolist(), prompt.question_ids.tolist(), max_new_tokens]).encode()
     ).hexdigest()
     path = folder / f"{key}.json"
     if path.is_file():
         return json.loads(path.read_text())["tokens"]
-    full = FullCache()
-    cache, _ = compress(full, session, prompt)
-    tokens, _ = answer(full, session, cache, prompt.question_ids, max_new_tokens)
-    write_json(path, {"tokens": tokens})
-    return tokens
+    if known is None:
+        full = FullCache()
+        cache, _ = compress(full, session, prompt)
+        known, _ = answer(full, session, cache, prompt.question_ids, max_new_tokens)
+    write_json(path, {"tokens": known})
+    return known
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -106,7 +109,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 **_cache_numbers(cache.stats()),
             }
             if cfg.evaluate.fidelity:
-                ref = reference_answer(session, prompt, max_new, reference_dir)
+                own = tokens if isinstance(method, FullCache) else None  # the full cache is its own reference
+                ref = reference_answer(session, prompt, max_new, reference_dir, known=own)
                 record["agrees_with_full"] = tokens == ref
                 record["full_answer_nll"] = answer_logprob(session, cache, prompt.question_ids, ref)
             out.write(json.dumps(record) + "\n")
