@@ -159,6 +159,10 @@ class RaggedLayer(CacheLayerMixin):
     def set_bias(self, h: int, bias: torch.Tensor) -> None:
         self.bias[self.head_rows(h)] = bias.float().to(self.device)
 
+    def set_values(self, h: int, values: torch.Tensor) -> None:
+        """Replace head h's values (lengths[h], head_dim), e.g. by values fitted by Attention Matching."""
+        self.v[self.head_rows(h)] = values.to(self.dtype).to(self.device)
+
     # ------------------------------------------------------------------ accounting
     def kept_per_head(self) -> torch.Tensor:
         return self.lengths - self.dead

@@ -55,8 +55,9 @@ def test_omp_recovers_duplicated_keys_with_their_multiplicity() -> None:
     assert len({tuple(row) for row in k[idx].tolist()}) == 5  # one copy of each distinct key
     assert sorted(torch.exp(beta).round().int().tolist()) == sorted(copies.tolist())
     values = fit_values(q, k, v, idx, beta, SCALE)
-    errors = reconstruction_errors(torch.randn(50, D, generator=g, dtype=torch.float64), k, v,
-                                   Compacted(idx, k[idx], beta, values), SCALE)  # fmt: skip
+    errors = reconstruction_errors(
+        torch.randn(50, D, generator=g, dtype=torch.float64), k, v, Compacted(idx, k[idx], beta, values), SCALE
+    )
     assert errors["output_rel_l2"] < 1e-5 and errors["mass_rel"] < 1e-5
 
 

@@ -112,8 +112,9 @@ def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt,
     from kvresearch.surrogate import Surrogate, SurrogateConfig
 
     adapter = session.adapter
-    Surrogate(SurrogateConfig("linear", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads,
-                              model="tiny_random")).save(tmp_path)  # fmt: skip
+    Surrogate(
+        SurrogateConfig("linear", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, model="tiny_random")
+    ).save(tmp_path)
     for scope in ("head", "layer", "global"):
         method = KVzapMethod(str(tmp_path), keep_ratio=0.5, scope=scope, window=16, expect_model="tiny_random")
         cache = method.compress(session, prompt)

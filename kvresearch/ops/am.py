@@ -85,9 +85,14 @@ def compact_attention(q: torch.Tensor, ck: torch.Tensor, beta: torch.Tensor, sca
 
 
 def fit_values(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, beta: torch.Tensor, scaling: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    beta: torch.Tensor,
+    scaling: float,
     ridge: float = 0.0,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """C_v (t, dv) = argmin ||X C_v - Y||^2 + ridge ||C_v||^2 with X the compact attention, Y the true output."""
     e, _ = shifted_exp(q, k, scaling)
     y = (e / e.sum(dim=1, keepdim=True)) @ v.to(F64)  # (n, dv)
@@ -101,9 +106,15 @@ def fit_values(
 
 
 def omp_keys(
-    q: torch.Tensor, k: torch.Tensor, t: int, scaling: float, keys_per_step: int = 1, refit_every: int = 1,
-    drop_below: float | None = None, bounds: tuple[float, float] = (1e-12, np.e**7),
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    t: int,
+    scaling: float,
+    keys_per_step: int = 1,
+    refit_every: int = 1,
+    drop_below: float | None = None,
+    bounds: tuple[float, float] = (1e-12, np.e**7),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy selection on the mass residual: add the key(s) most correlated with r = y - M w, refit w by
     bounded NNLS every ``refit_every`` steps, optionally drop keys whose log w falls below ``drop_below``
     and refill. Returns (sorted indices (t,), beta (t,)).

@@ -1,0 +1,174 @@
+"""Attention Matching compaction into the ragged cache (model glue around ``ops/am.py``).
+
+Reference queries (post-rotary, after q_norm where the model has one, all query heads of a KV group
+pooled, capped at ``max_queries`` per KV head with a seeded subsample):
+
+* ``repeat``: teacher-forced repetition of the context (context, "Repeat the previous context verbatim.",
+  then the context as the answer): the queries of the repeated copy;
+* ``context``: the queries of the context tokens themselves, from the prefill;
+* ``random``: Gaussian vectors with the per-dimension scale of the context queries.
+
+Self-study and on-policy queries plug in as further ``QuerySource`` functions (same signature).
+
+Each (layer, KV head) block is compacted to ``round(keep_ratio * T)`` entries: keys selected among the
+originals (``highest`` attention, or ``omp``), beta by bounded NNLS, values by least squares; ablations
+``fit_beta=false`` (beta = 0) and ``fit_values=false`` (original values). Sliding-window layers are left
+alone. Compacted keys keep their rotary positions; new tokens continue at the original length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvresearch.cache import RaggedCache
+from kvresearch.capture import template_pieces
+from kvresearch.methods.base import Session, dense_prefill
+from kvresearch.models.hooks import attention_calls
+from kvresearch.ops import am
+
+REPEAT_INSTRUCTION = "\n\nRepeat the previous context verbatim."
+
+# A query source returns, per layer, the queries (q_heads, n, d) it produced.
+QuerySource = Callable[[Session, Any, int], list[torch.Tensor]]
+
+
+def _capture_queries(session: Session, ids: torch.Tensor, rows: slice) -> list[torch.Tensor]:
+    store: list[torch.Tensor | None] = [None] * session.adapter.num_layers
+
+    def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store[layer] = q[0, :, rows].detach().to(torch.float64).cpu()
+
+    with torch.no_grad(), attention_calls(session.adapter, record):
+        session.adapter.decoder(input_ids=ids.to(session.device), use_cache=False)
+    return [s for s in store if s is not None]
+
+
+def repeat_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+    context = prompt.context_ids[0, prompt.head_len :].tolist()
+    pieces = template_pieces(session.tokenizer)
+    instruction = session.tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False).input_ids
+    ids = pieces.head + context + instruction + pieces.middle + context
+    start = len(ids) - len(context)
+    return _capture_queries(session, torch.tensor([ids]), slice(start, len(ids)))
+
+
+def context_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+    return _capture_queries(session, prompt.context_ids, slice(0, prompt.context_ids.shape[1]))
+
+
+def random_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(q.shape, generator=g, dtype=torch.float64) * q.std(dim=(0, 1), keepdim=True)
+        for q in context_queries(session, prompt, seed)
+    ]
+
+
+SOURCES: dict[str, QuerySource] = {"repeat": repeat_queries, "context": context_queries, "random": random_queries}
+
+
+def pooled(q: torch.Tensor, kv_head: int, group: int, cap: int, seed: int) -> torch.Tensor:
+    """Queries of KV head ``kv_head``'s group pooled into (n, d), capped by a seeded subsample."""
+    x = q[kv_head * group : (kv_head + 1) * group].reshape(-1, q.shape[-1])
+    if x.shape[0] > cap:
+        x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:cap]]
+    return x
+
+
+class AttentionMatching:
+    """AM-HighestAttnKeys(-fast) and AM-OMP(-fast) as a compression method."""
+
+    decoding = False
+
+    def __init__(
+        self,
+        keep_ratio: float,
+        keys: str = "highest",
+        queries: tuple[str, ...] | list[str] = ("repeat",),
+        max_queries: int = 50_000,
+        fit_beta: bool = True,
+        fit_values: bool = True,
+        ridge: float = 0.0,
+        omp_keys_per_step: int = 1,
+        omp_refit_every: int = 1,
+        omp_drop_below: float | None = None,
+        seed: int = 0,
+        name: str = "am",
+    ):
+        if not 0 < keep_ratio <= 1:
+            raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
+        if keys not in ("highest", "omp"):
+            raise ValueError(f"keys must be 'highest' or 'omp', got {keys!r}")
+        unknown = set(queries) - set(SOURCES)
+        if unknown:
+            raise ValueError(f"unknown query sources {sorted(unknown)}; available: {sorted(SOURCES)}")
+        self.keep_ratio, self.keys, self.queries, self.max_queries = keep_ratio, keys, list(queries), max_queries
+        self.fit_beta, self.fit_values, self.ridge, self.seed, self.name = fit_beta, fit_values, ridge, seed, name
+        self.omp_keys_per_step, self.omp_refit_every, self.omp_drop_below = (
+            omp_keys_per_step,
+            omp_refit_every,
+            omp_drop_below,
+        )
+        self.timings: dict[str, float] = {}
+
+    def compact_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> am.Compacted:
+        t = max(1, round(self.keep_ratio * k.shape[0]))
+        start = time.perf_counter()
+        if self.keys == "omp":
+            idx, beta = am.omp_keys(q, k, t, scaling, self.omp_keys_per_step, self.omp_refit_every, self.omp_drop_below)
+        else:
+            idx = am.highest_attention_keys(q, k, t, scaling)
+            beta = None
+        self.timings["keys_s"] = self.timings.get("keys_s", 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
+        if not self.fit_beta:
+            beta = torch.zeros(len(idx), dtype=torch.float64)
+        elif beta is None:
+            beta = am.fit_beta(q, k, idx, scaling)
+        self.timings["beta_s"] = self.timings.get("beta_s", 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
+        fitted = self.fit_values
+        values = am.fit_values(q, k, v, idx, beta, scaling, self.ridge) if fitted else v[idx].to(torch.float64)
+        self.timings["values_s"] = self.timings.get("values_s", 0.0) + time.perf_counter() - start
+        return am.Compacted(idx, k[idx], beta, values)
+
+    @torch.no_grad()
+    def compress(self, session: Session, prompt: Any) -> RaggedCache:
+        self.timings = {}
+        start = time.perf_counter()
+        per_source = [SOURCES[name](session, prompt, self.seed) for name in self.queries]
+        queries = [torch.cat([src[layer] for src in per_source], dim=1) for layer in range(len(per_source[0]))]
+        self.timings["queries_s"] = time.perf_counter() - start
+        dense = dense_prefill(session, prompt.context_ids)
+        cache = RaggedCache.from_dynamic(dense)
+        group = session.adapter.group_size
+        for index, spec in enumerate(session.adapter.layers):
+            if spec.sliding_window is not None:
+                continue
+            layer = cache.ragged[index]
+            dense_layer = dense.layers[index]
+            assert dense_layer.keys is not None and dense_layer.values is not None
+            keys, values = dense_layer.keys[0], dense_layer.values[0]  # (Hkv, T, d)
+            results = [
+                self.compact_head(
+                    pooled(queries[index], h, group, self.max_queries, self.seed + h),
+                    keys[h].double().cpu(),
+                    values[h].double().cpu(),
+                    spec.scaling,
+                )
+                for h in range(keys.shape[0])
+            ]
+            layer.keep_only([r.idx for r in results])
+            for h, r in enumerate(results):
+                layer.set_bias(h, r.beta)
+                layer.set_values(h, r.values)
+        return cache
+
+    def decode_context(self, session: Session, cache: RaggedCache) -> Any:
+        from contextlib import nullcontext
+
+        return nullcontext()

@@ -1,0 +1,64 @@
+"""Attention Matching compaction in a real model: the cache holds what the solver predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvresearch.cache import ragged_attention_enabled
+from kvresearch.generation import build_prompt
+from kvresearch.methods.attention_matching import AttentionMatching
+from kvresearch.methods.base import Session
+from kvresearch.models import ModelAdapter
+from kvresearch.models.hooks import attention_inputs
+
+
+@pytest.mark.parametrize("keys", ["highest", "omp"])
+def test_compacted_cache_reproduces_the_solver_in_a_forward_pass(tiny, keys) -> None:
+    session = Session(ModelAdapter(tiny.model), tiny.tokenizer)
+    prompt = build_prompt(tiny.tokenizer, "Rivers carry water to the sea, and the sea returns it as rain. " * 8, "Why?")
+    method = AttentionMatching(keep_ratio=0.25, keys=keys, queries=["repeat", "context"])
+    cache = method.compress(session, prompt)
+    n = prompt.context_ids.shape[1]
+    assert cache.get_seq_length() == n
+    assert cache.stats()["prune_ratio"] == pytest.approx(0.75, abs=0.01)
+    assert {"queries_s", "keys_s", "beta_s", "values_s"} <= set(method.timings)
+
+    # One new token through the compacted cache; layer 0's attention output must equal the formula
+    # softmax([q C_k^T s + beta ; q k_new s]) [C_v ; v_new], built here from the cache's own entries.
+    adapter = session.adapter
+    layer = cache.ragged[0]
+    ck = [layer.k[layer.head_rows(h)].double() for h in range(2)]
+    cv = [layer.v[layer.head_rows(h)].double() for h in range(2)]
+    beta = [layer.bias[layer.head_rows(h)].double() for h in range(2)]
+    outputs, inputs = {}, {}
+    hook = adapter.layers[0].attn.register_forward_hook(lambda m, a, out: outputs.__setitem__(0, out[0]))
+    try:
+        with ragged_attention_enabled(tiny.model), torch.no_grad(), attention_inputs(adapter, inputs):
+            tiny.model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True)
+    finally:
+        hook.remove()
+    q, k_new, v_new = adapter.qkv(0, inputs[0], torch.tensor([[n]]))
+    heads = []
+    s = adapter.layers[0].scaling
+    for g in range(adapter.num_heads):
+        h, qg = g // adapter.group_size, q[0, g, 0].double()
+        logits = torch.cat([ck[h] @ qg * s + beta[h], (k_new[0, h, 0].double() @ qg * s)[None]])
+        heads.append(torch.softmax(logits, 0) @ torch.cat([cv[h], v_new[0, h].double()]))
+    expected = adapter.layers[0].attn.o_proj(torch.cat(heads).float()[None])
+    torch.testing.assert_close(outputs[0][0, 0], expected[0], rtol=1e-4, atol=1e-5)
+    assert bool((beta[0] != 0).any())  # biases were written
+
+
+def test_ablations_and_bad_arguments(tiny) -> None:
+    session = Session(ModelAdapter(tiny.model), tiny.tokenizer)
+    prompt = build_prompt(tiny.tokenizer, "A short context about maps. " * 10, "What?")
+    cache = AttentionMatching(keep_ratio=0.5, fit_beta=False, fit_values=False, queries=["random"]).compress(
+        session, prompt
+    )
+    layer = cache.ragged[1]
+    assert bool((layer.bias[layer.head_rows(0)] == 0).all())
+    with pytest.raises(ValueError, match="keep_ratio"):
+        AttentionMatching(keep_ratio=0.0)
+    with pytest.raises(ValueError, match="query sources"):
+        AttentionMatching(keep_ratio=0.1, queries=["self_study"])
