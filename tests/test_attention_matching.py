@@ -23,6 +23,7 @@ def test_compacted_cache_reproduces_the_solver_in_a_forward_pass(tiny, keys) -> 
     assert cache.get_seq_length() == n
     assert cache.stats()["prune_ratio"] == pytest.approx(0.75, abs=0.01)
     assert {"queries_s", "keys_s", "beta_s", "values_s"} <= set(method.timings)
+    assert 0 <= method.report["heldout_output_rel_l2"] < 1 and len(method.report["per_layer_head"]) == 3 * 2
 
     # One new token through the compacted cache; layer 0's attention output must equal the formula
     # softmax([q C_k^T s + beta ; q k_new s]) [C_v ; v_new], built here from the cache's own entries.

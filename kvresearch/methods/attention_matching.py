@@ -96,6 +96,7 @@ class AttentionMatching:
         omp_keys_per_step: int = 1,
         omp_refit_every: int = 1,
         omp_drop_below: float | None = None,
+        holdout: float = 0.1,
         seed: int = 0,
         name: str = "am",
     ):
@@ -113,7 +114,9 @@ class AttentionMatching:
             omp_refit_every,
             omp_drop_below,
         )
+        self.holdout = holdout  # share of each head's reference queries kept out of the fit, for the errors
         self.timings: dict[str, float] = {}
+        self.report: dict[str, Any] = {}
 
     def compact_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> am.Compacted:
         t = max(1, round(self.keep_ratio * k.shape[0]))
@@ -146,6 +149,7 @@ class AttentionMatching:
         dense = dense_prefill(session, prompt.context_ids)
         cache = RaggedCache.from_dynamic(dense)
         group = session.adapter.group_size
+        errors: dict[tuple[int, int], dict[str, float]] = {}
         for index, spec in enumerate(session.adapter.layers):
             if spec.sliding_window is not None:
                 continue
@@ -153,19 +157,25 @@ class AttentionMatching:
             dense_layer = dense.layers[index]
             assert dense_layer.keys is not None and dense_layer.values is not None
             keys, values = dense_layer.keys[0], dense_layer.values[0]  # (Hkv, T, d)
-            results = [
-                self.compact_head(
-                    pooled(queries[index], h, group, self.max_queries, self.seed + h),
-                    keys[h].double().cpu(),
-                    values[h].double().cpu(),
-                    spec.scaling,
-                )
-                for h in range(keys.shape[0])
-            ]
+            results = []
+            for h in range(keys.shape[0]):
+                q = pooled(queries[index], h, group, self.max_queries, self.seed + h)
+                n_test = int(self.holdout * q.shape[0])
+                k_h, v_h = keys[h].double().cpu(), values[h].double().cpu()
+                results.append(self.compact_head(q[n_test:], k_h, v_h, spec.scaling))
+                if n_test:
+                    errors[(index, h)] = am.reconstruction_errors(q[:n_test], k_h, v_h, results[-1], spec.scaling)
             layer.keep_only([r.idx for r in results])
             for h, r in enumerate(results):
                 layer.set_bias(h, r.beta)
                 layer.set_values(h, r.values)
+        if errors:  # float64 errors on held-out queries, per (layer, KV head) and averaged
+            self.report = {
+                "heldout_output_rel_l2": sum(e["output_rel_l2"] for e in errors.values()) / len(errors),
+                "heldout_mass_rel": sum(e["mass_rel"] for e in errors.values()) / len(errors),
+                "per_layer_head": {f"L{i}H{h}": e for (i, h), e in errors.items()},
+                "timings_s": dict(self.timings),
+            }
         return cache
 
     def decode_context(self, session: Session, cache: RaggedCache) -> Any:

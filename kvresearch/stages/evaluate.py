@@ -108,6 +108,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
                 "new_tokens": len(tokens),
                 **_cache_numbers(cache.stats()),
             }
+            report = getattr(method, "report", None)  # e.g. Attention Matching's held-out errors and timings
+            if report:
+                record["method_report"] = {k: v for k, v in report.items() if k != "per_layer_head"}
             if cfg.evaluate.fidelity:
                 own = tokens if isinstance(method, FullCache) else None  # the full cache is its own reference
                 ref = reference_answer(session, prompt, max_new, reference_dir, known=own)
