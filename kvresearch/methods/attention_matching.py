@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -179,6 +180,4 @@ class AttentionMatching:
         return cache
 
     def decode_context(self, session: Session, cache: RaggedCache) -> Any:
-        from contextlib import nullcontext
-
         return nullcontext()

@@ -11,8 +11,9 @@ Attach it around the context prefill; keep it attached while generating for ``de
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from kvresearch.cache import RaggedCache
 from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import cache_from_scores, dense_prefill, ragged_prefill
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.hooks import attention_inputs
 from kvresearch.surrogate.modules import Surrogate
@@ -40,8 +42,6 @@ class KVzap:
 
     @contextmanager
     def attach(self, adapter: ModelAdapter, cache: RaggedCache) -> Iterator[ScoringTime]:
-        import time
-
         timer = ScoringTime()
         inputs: dict[int, torch.Tensor] = {}
         # Tokens still inside the window, with their scores; kept on the cache so that re-attaching for
@@ -114,8 +114,6 @@ class KVzapMethod:
         )
 
     def compress(self, session: Any, prompt: Any) -> RaggedCache:
-        from kvresearch.methods.base import cache_from_scores, dense_prefill, ragged_prefill
-
         if self.surrogate.config.layers != session.adapter.num_layers or (
             self.surrogate.config.hidden != session.adapter.hidden_size
         ):
@@ -137,8 +135,6 @@ class KVzapMethod:
         return cache_from_scores(dense, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
 
     def decode_context(self, session: Any, cache: RaggedCache) -> Any:
-        from contextlib import nullcontext
-
         return (
             self._pruner().attach(session.adapter, cache)
             if self.decoding and self.threshold is not None

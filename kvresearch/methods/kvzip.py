@@ -6,6 +6,7 @@ choices). Thresholds are in log space (like KVzap's); the template head is never
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,6 +49,4 @@ class KVzipMethod:
         return cache_from_scores(dense, scores, self.threshold, self.keep_ratio, self.scope, self.window)
 
     def decode_context(self, session: Session, cache: RaggedCache) -> Any:
-        from contextlib import nullcontext
-
         return nullcontext()
