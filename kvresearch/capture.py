@@ -57,10 +57,15 @@ class RepeatPrompt:
     repeat: slice  # the repeated copy (the scoring rows)
 
 
-def repeat_prompt(tokenizer: Any, context_ids: list[int], pieces: TemplatePieces | None = None) -> RepeatPrompt:
+def repeat_prompt(
+    tokenizer: Any,
+    context_ids: list[int],
+    pieces: TemplatePieces | None = None,
+    instruction_text: str = FIRST_INSTRUCTION,
+) -> RepeatPrompt:
     """``head | context | instruction + middle | context`` with the two context spans marked."""
     pieces = pieces or template_pieces(tokenizer)
-    instruction = tokenizer(FIRST_INSTRUCTION, add_special_tokens=False).input_ids
+    instruction = tokenizer(instruction_text, add_special_tokens=False).input_ids
     ids = pieces.head + context_ids + instruction + pieces.middle + context_ids
     start, n = len(pieces.head), len(context_ids)
     return RepeatPrompt(torch.tensor([ids]), slice(start, start + n), slice(len(ids) - n, len(ids)))
@@ -82,20 +87,26 @@ def _score_call(
     h: torch.Tensor,
     rows: slice,
     cols: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | None,
     block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of one attention call. q (1, Hq, T, d) are the call's new tokens; k, v (1, Hkv, N, d) all keys.
 
-    ``rows`` indexes the new tokens, ``keys`` the softmax keys into N, ``cols`` the scored keys into N.
+    ``rows`` indexes the new tokens, ``keys`` the softmax keys into N (None: all of them, no copy),
+    ``cols`` the scored keys into N.
     """
     n_keys, n_new = k.shape[2], q.shape[2]
     q_pos = torch.arange(n_keys - n_new, n_keys, device=q.device)[rows]
+    if keys is None:
+        keys = torch.arange(n_keys)
+        softmax_keys = k[0]
+    else:
+        softmax_keys = k[0, :, keys]
     col_in_keys = torch.searchsorted(keys, cols).to(q.device)  # keys are sorted and contain cols
     spec = adapter.layers[layer]
     return kvzip_scores(
         q[0, :, rows],
-        k[0, :, keys],
+        softmax_keys,
         v[0, :, cols],
         col_in_keys,
         h[0, rows].norm(dim=-1),
@@ -127,8 +138,7 @@ def oracle_scores(
 
     def on_call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         h = inputs[layer]
-        keys = torch.arange(k.shape[2])
-        kvzip, plus = _score_call(adapter, layer, q, k, v, h, prompt.repeat, cols, keys, block)
+        kvzip, plus = _score_call(adapter, layer, q, k, v, h, prompt.repeat, cols, None, block)
         hidden = None if keep_hidden is None else h[0, prompt.context.start + keep_hidden].detach().clone()
         out[layer] = LayerScores(kvzip.float(), plus.float(), hidden)
         del inputs[layer]

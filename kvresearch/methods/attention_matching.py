@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvresearch.cache import RaggedCache
-from kvresearch.capture import template_pieces
+from kvresearch.capture import repeat_prompt
 from kvresearch.methods.base import Session, dense_prefill
 from kvresearch.models.hooks import attention_calls
 from kvresearch.ops import am
@@ -50,11 +50,8 @@ def _capture_queries(session: Session, ids: torch.Tensor, rows: slice) -> list[t
 
 def repeat_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
     context = prompt.context_ids[0, prompt.head_len :].tolist()
-    pieces = template_pieces(session.tokenizer)
-    instruction = session.tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False).input_ids
-    ids = pieces.head + context + instruction + pieces.middle + context
-    start = len(ids) - len(context)
-    return _capture_queries(session, torch.tensor([ids]), slice(start, len(ids)))
+    rp = repeat_prompt(session.tokenizer, context, instruction_text=REPEAT_INSTRUCTION)
+    return _capture_queries(session, rp.input_ids, rp.repeat)
 
 
 def context_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
