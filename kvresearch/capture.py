@@ -121,7 +121,7 @@ def _score_call(
 
 @torch.no_grad()
 def oracle_scores(
-    adapter: ModelAdapter, prompt: RepeatPrompt, keep_hidden: torch.Tensor | None = None, block: int = 256
+    adapter: ModelAdapter, prompt: RepeatPrompt, keep_hidden: torch.Tensor | None = None, block: int = 128
 ) -> list[LayerScores]:
     """KVzip and KVzip+ scores of every context token in every layer from one forward pass.
 
@@ -159,7 +159,7 @@ def chunked_oracle_scores(
     head_len: int,
     chunk_size: int = 2048,
     hint_tokens: int = 8,
-    block: int = 256,
+    block: int = 128,
     progress: Callable[[int], None] | None = None,
 ) -> list[LayerScores]:
     """The evaluation-time oracle over a prefilled cache of ``head | context`` (KVzip's chunked replay).

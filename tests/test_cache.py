@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvresearch.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
-from kvresearch.ops.attention import dense_reference, ragged_attention
+from kvresearch.ops.attention import _is_fresh_prefill, dense_reference, ragged_attention
 from tests.test_models import tiny_family
 
 
@@ -48,6 +48,35 @@ def test_ragged_attention_equals_dense_brute_force(window) -> None:
     delta = q_pos[:, None] - torch.arange(n)[None]
     visible &= (delta >= 0) if window is None else (delta >= 0) & (delta < window)
     torch.testing.assert_close(ours.double(), dense_reference(q, k, v, bias, visible, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 64, 5])
+def test_fresh_prefill_takes_the_causal_path_and_agrees_with_brute_force(window) -> None:
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, n, d = 4, 2, 12, 8
+    k, v, q = (
+        torch.randn(hkv, n, d, generator=g),
+        torch.randn(hkv, n, d, generator=g),
+        torch.randn(hq, n, d, generator=g),
+    )
+    pos = [torch.arange(n)] * hkv
+    args = packed(list(k), list(v), [torch.zeros(n)] * hkv, pos)
+    assert _is_fresh_prefill(torch.arange(n), args[2], args[3], args[4], args[5], window) == (window != 5)
+    delta = torch.arange(n)[:, None] - torch.arange(n)[None]
+    visible = ((delta >= 0) if window is None else (delta >= 0) & (delta < window)).expand(hkv, n, n)
+    expected = dense_reference(q, k, v, torch.zeros(hkv, n), visible, 0.3)
+    torch.testing.assert_close(
+        ragged_attention(q, torch.arange(n), *args, 0.3, window=window).double(), expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_query_with_every_entry_evicted_gets_zero() -> None:
+    g = torch.Generator().manual_seed(2)
+    k, v, q = torch.randn(1, 3, 4, generator=g), torch.randn(1, 3, 4, generator=g), torch.randn(1, 2, 4, generator=g)
+    bias = torch.tensor([float("-inf"), float("-inf"), 0.0])  # query at position 1 sees only evicted entries
+    out = ragged_attention(q, torch.tensor([1, 2]), *packed(list(k), list(v), [bias], [torch.arange(3)]), 0.5)
+    assert torch.equal(out[0, 0], torch.zeros(4))
+    torch.testing.assert_close(out[0, 1], v[0, 2])
 
 
 def run_steps(model, cache, ids, steps=4):

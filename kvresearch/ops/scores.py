@@ -44,7 +44,7 @@ def kvzip_scores(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     window: int | None = None,
-    block: int = 256,
+    block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KVzip and KVzip+ scores of the key columns ``cols``, maximised over the rows of ``q``.
 
@@ -72,14 +72,19 @@ def kvzip_scores(
     wov = value_output_norms(v_cols, w_o)  # (Hkv, G, C)
     best = torch.full((kv_heads, group, cols.numel()), float("-inf"), dtype=dtype, device=q.device)
     best_plus = best.clone()
+    n_cols = cols.numel()
+    contiguous = n_cols > 0 and int(cols[-1] - cols[0]) == n_cols - 1 and bool((cols.diff() == 1).all())
+    take = slice(int(cols[0]), int(cols[0]) + n_cols) if contiguous else cols  # a view when contiguous
     for start in range(0, rows, block):
         stop = min(start + block, rows)
-        logits = q[:, :, start:stop] @ k_t[:, None]  # (Hkv, G, B, N)
+        qb = q[:, :, start:stop]
+        logits = (qb.reshape(kv_heads, -1, d) @ k_t).view(*qb.shape[:3], -1)  # one bmm: (Hkv, G, B, N)
         delta = q_pos[start:stop, None] - k_pos[None, :]  # (B, N)
         hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
-        logits.add_(torch.zeros_like(delta, dtype=dtype).masked_fill_(hidden, float("-inf")))  # causal (+ window)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # exact denominator over all visible keys
-        attn = torch.exp(logits[..., cols] - lse)  # (Hkv, G, B, C)
+        logits.masked_fill_(hidden, float("-inf"))  # causal (+ window)
+        top = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)  # a row that sees nothing: 0s
+        weights = logits.sub_(top).exp_()  # in place: softmax numerators
+        attn = weights[..., take] / weights.sum(dim=-1, keepdim=True)  # exact denominator over all visible keys
         best = torch.maximum(best, attn.amax(dim=2))
         best_plus = torch.maximum(best_plus, (attn / h_norm[start:stop, None]).amax(dim=2))
     return best.amax(dim=1), (best_plus * wov).amax(dim=1)
