@@ -15,7 +15,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap train-surrogate evaluate sweep-ruler tables clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -86,6 +86,9 @@ bench-extract: $(STAMP) ## extraction speed and memory vs the eager reference (o
 
 bench-kvzap: $(STAMP) ## KVzap vs full cache vs kvpress: overhead, KV bytes, decode speed (outputs/bench/kvzap.json)
 	$(PY) scripts/bench_kvzap.py --surrogates $(OUTPUTS)/train_surrogate
+
+bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per head, held-out errors, 10x answers (outputs/bench/am.json)
+	$(PY) scripts/bench_am.py $(ARGS)
 
 reproduce: $(STAMP) ## the main job on the embedded model: extract, surrogates, RULER sweep, table
 	$(MAKE) --no-print-directory train-surrogate

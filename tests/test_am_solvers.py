@@ -1,12 +1,14 @@
-"""Attention Matching solvers: planted compact solutions, NNLS against clamp-after-least-squares."""
+"""Attention Matching solvers: planted compact solutions, NNLS against BVLS and clamp-after-least-squares."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from scipy.optimize import lsq_linear
 
 from kvresearch.ops.am import (
     Compacted,
+    block,
     clamped_least_squares,
     fit_beta,
     fit_values,
@@ -34,10 +36,11 @@ def planted_with_junk(seed: int = 0, t: int = 6, junk: int = 58, n: int = 200):
 
 def test_highest_attention_keys_beta_and_values_recover_a_planted_block() -> None:
     q, k, v, truth = planted_with_junk()
-    idx = highest_attention_keys(q, k, len(truth), SCALE)
+    b = block(q, k, v, SCALE, torch.float64)
+    idx = highest_attention_keys(b, len(truth))
     assert idx.tolist() == truth.tolist()
-    beta = fit_beta(q, k, idx, SCALE)
-    values = fit_values(q, k, v, idx, beta, SCALE)
+    beta = fit_beta(b, idx)
+    values = fit_values(b, q, k[idx], beta, SCALE)
     held_out = torch.randn(100, D, generator=torch.Generator().manual_seed(9), dtype=torch.float64) + 3.0
     errors = reconstruction_errors(held_out, k, v, Compacted(idx, k[idx], beta, values), SCALE)
     assert errors["output_rel_l2"] < 1e-5 and errors["mass_rel"] < 1e-5
@@ -51,10 +54,11 @@ def test_omp_recovers_duplicated_keys_with_their_multiplicity() -> None:
     copies = torch.tensor([1, 3, 2, 4, 1])
     k, v = unique_k.repeat_interleave(copies, 0), unique_v.repeat_interleave(copies, 0)
     q = torch.randn(300, D, generator=g, dtype=torch.float64)
-    idx, beta = omp_keys(q, k, 5, SCALE)
+    b = block(q, k, v, SCALE, torch.float64)
+    idx, beta = omp_keys(b, 5)
     assert len({tuple(row) for row in k[idx].tolist()}) == 5  # one copy of each distinct key
     assert sorted(torch.exp(beta).round().int().tolist()) == sorted(copies.tolist())
-    values = fit_values(q, k, v, idx, beta, SCALE)
+    values = fit_values(b, q, k[idx], beta, SCALE)
     errors = reconstruction_errors(
         torch.randn(50, D, generator=g, dtype=torch.float64), k, v, Compacted(idx, k[idx], beta, values), SCALE
     )
@@ -80,9 +84,64 @@ def test_ill_conditioned_inputs_give_finite_outputs() -> None:
     q = torch.zeros(10, D, dtype=torch.float64)
     k = torch.ones(20, D, dtype=torch.float64)  # identical keys: rank one
     v = torch.randn(20, D, dtype=torch.float64)
-    idx = highest_attention_keys(q, k, 4, SCALE)
-    beta = fit_beta(q, k, idx, SCALE)
-    values = fit_values(q, k, v, idx, beta, SCALE, ridge=1e-6)
+    b = block(q, k, v, SCALE)
+    idx = highest_attention_keys(b, 4)
+    beta = fit_beta(b, idx)
+    values = fit_values(b, q, k[idx], beta, SCALE, ridge=1e-6)
     assert torch.isfinite(beta).all() and torch.isfinite(values).all()
     errors = reconstruction_errors(q, k, v, Compacted(idx, k[idx], beta, values), SCALE)
     assert all(np.isfinite(list(errors.values())))
+
+
+def test_bounded_nnls_equals_scipy_bvls() -> None:
+    """Our active set on the Gram form reaches BVLS's optimum (scipy, an independent implementation)."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        n, t = 30 + 9 * trial, 2 + trial
+        m = torch.rand(n, t, generator=g, dtype=torch.float64) ** 3
+        if trial % 3 == 0:
+            m[:, 1] = m[:, 0]  # duplicated column: singular Gram matrix
+        y = torch.rand(n, generator=g, dtype=torch.float64) * t / 3
+        lower, upper = (0.0, np.inf) if trial % 2 else (1e-12, 2.0)
+        w = nnls(m, y, lower, upper)
+        ref = torch.from_numpy(lsq_linear(m.numpy(), y.numpy(), bounds=(lower, upper), method="bvls").x)
+        assert bool(((w >= lower) & (w <= upper)).all())
+        ours, theirs = float((m @ w - y).square().sum()), float((m @ ref - y).square().sum())
+        assert ours <= theirs * (1 + 1e-9) + 1e-12
+
+
+def random_block(seed: int, n: int = 400, keys: int = 120, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, D, generator=g, dtype=torch.float64) * 1.5
+    k = torch.randn(keys, D, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(keys, D, generator=g, dtype=torch.float64)
+    return q, k, v, block(q, k, v, SCALE, dtype)
+
+
+def test_incremental_omp_weights_are_the_nnls_of_its_final_keys() -> None:
+    """Warm-started, incrementally grown solves end where a from-scratch NNLS on the chosen keys ends."""
+    for keys_per_step, refit_every, progressive in [(1, 1, 0.0), (4, 2, 0.0), (1, 1, 0.25)]:
+        _, _, _, b = random_block(4)
+        idx, beta = omp_keys(b, 30, keys_per_step, refit_every, drop_below=-7.0, progressive=progressive)
+        assert len(idx) == 30 and len(set(idx.tolist())) == 30
+        scratch = torch.log(nnls(b.e[:, idx], b.mass, 1e-12, np.exp(7)).clamp_min(1e-12))
+        torch.testing.assert_close(beta, scratch, rtol=1e-6, atol=1e-6)
+
+
+def test_omp_beats_highest_attention_on_the_mass_and_float32_work_matches_float64() -> None:
+    q, k, v, b64 = random_block(5)
+    _, _, _, b32 = random_block(5, dtype=torch.float32)
+    errors = {}
+    for name, b in [("f64", b64), ("f32", b32)]:
+        idx, beta = omp_keys(b, 12)
+        errors[name] = reconstruction_errors(
+            q, k, v, Compacted(idx, k[idx], beta, fit_values(b, q, k[idx], beta, SCALE)), SCALE
+        )
+    idx = highest_attention_keys(b64, 12)
+    beta = fit_beta(b64, idx)
+    highest = reconstruction_errors(
+        q, k, v, Compacted(idx, k[idx], beta, fit_values(b64, q, k[idx], beta, SCALE)), SCALE
+    )
+    assert errors["f64"]["mass_rel"] < highest["mass_rel"]
+    for metric in ("mass_rel", "output_rel_l2"):
+        assert abs(errors["f32"][metric] - errors["f64"][metric]) < 1e-3 * max(errors["f64"][metric], 1e-3)

