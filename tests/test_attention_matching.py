@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from kvresearch.cache import ragged_attention_enabled
 from kvresearch.generation import build_prompt
@@ -11,6 +13,8 @@ from kvresearch.methods.attention_matching import AttentionMatching
 from kvresearch.methods.base import Session
 from kvresearch.models import ModelAdapter
 from kvresearch.models.hooks import attention_inputs
+from kvresearch.ops import am
+from kvresearch.runs import CONF_DIR
 
 
 @pytest.mark.parametrize("keys", ["highest", "omp"])
@@ -63,3 +67,21 @@ def test_ablations_and_bad_arguments(tiny) -> None:
         AttentionMatching(keep_ratio=0.0)
     with pytest.raises(ValueError, match="query sources"):
         AttentionMatching(keep_ratio=0.1, queries=["self_study"])
+
+
+@pytest.mark.parametrize(
+    ("name", "keys", "bounds", "fits"),
+    [
+        ("am_highest_fast", "highest", am.HIGHEST_BOUNDS, True),
+        ("am_highest", "highest", am.HIGHEST_BOUNDS, True),
+        ("am_omp", "omp", am.OMP_BOUNDS, True),
+        ("am_omp_fast", "omp", am.OMP_BOUNDS, True),
+        ("top_attention", "highest", am.HIGHEST_BOUNDS, False),
+    ],
+)
+def test_method_configs_build_the_papers_variants(name, keys, bounds, fits) -> None:
+    method = instantiate(OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml"))
+    assert method.name == name and method.keys == keys and method.beta_bounds == bounds
+    assert method.fit_beta == method.fit_values == fits and method.work_dtype == torch.float32
+    if name == "am_omp_fast":
+        assert method.omp["keys_per_step"] == 4 and method.omp["refit_every"] == 2

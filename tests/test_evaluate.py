@@ -76,3 +76,17 @@ def test_evaluate_kvzap_from_an_exported_surrogate_and_make_tables(tmp_path: Pat
     text = (tmp_path / "t" / "ruler_table.md").read_text()
     assert "| full | - | 0.00 |" in text and "| kvzap_mlp | tau=0 |" in text
     assert (tmp_path / "t" / "ruler_curve.png").stat().st_size > 1000
+
+
+def test_evaluate_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> None:
+    cfg = compose_stage(
+        "evaluate",
+        tmp_path / "run",
+        [*SMALL, f"out_root={tmp_path}", "method=am_omp_fast", "method.keep_ratio=0.25", "method.max_queries=256"],
+    )
+    metrics = execute(cfg, run)
+    assert metrics["method"] == "am_omp_fast" and abs(metrics["overall"]["prune_ratio"] - 0.75) < 0.02
+    record = json.loads((tmp_path / "run" / "predictions.jsonl").read_text().splitlines()[0])
+    report = record["method_report"]
+    assert set(report["timings_s"]) == {"queries_s", "keys_s", "beta_s", "values_s"}
+    assert 0.0 <= report["heldout_mass_rel"] < 1.0 and 0.0 <= report["heldout_output_rel_l2"] < 1.0
