@@ -8,6 +8,7 @@ which turns a :class:`KVResearchError` into one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -50,10 +51,20 @@ def repo_root() -> Path:
     return root if (root / "pyproject.toml").is_file() else Path.cwd()
 
 
+MAX_NAME = 200  # file systems refuse names over 255 bytes
+
+
 def run_name(override_dirname: str = "") -> str:
-    """A run folder name from Hydra's override string: ``default`` when there are none."""
-    name = override_dirname.strip() or "default"
-    return name.replace("/", "_").replace(os.sep, "_")
+    """A run folder name from Hydra's override string: ``default`` when there are none.
+
+    A name over ``MAX_NAME`` bytes keeps its start and ends in a hash of the whole string (the full
+    overrides are in the run's config.yaml), so long sweeps still get one stable folder per run.
+    """
+    name = (override_dirname.strip() or "default").replace("/", "_").replace(os.sep, "_")
+    if len(name.encode()) <= MAX_NAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name.encode()[: MAX_NAME - 13].decode(errors="ignore") + "-" + digest
 
 
 def _register_resolvers() -> None:

@@ -59,6 +59,11 @@ def test_run_name_from_overrides() -> None:
     assert run_name("") == "default"
     assert run_name("model=qwen3_8b,method.threshold=-4") == "model=qwen3_8b,method.threshold=-4"
     assert "/" not in run_name("model.repo_id=/data/models/x")
+    long_a = "benchmark.tasks=[" + ",".join(f"niah_task_{i}" for i in range(30)) + "],method.reduce=max"
+    long_b = long_a.replace("max", "rms")
+    name_a, name_b = run_name(long_a), run_name(long_b)
+    assert len(name_a.encode()) <= 200 and name_a != name_b and name_a == run_name(long_a)  # short, distinct, stable
+    assert name_a.startswith("benchmark.tasks=[niah_task_0,")
 
 
 def test_wandb_offline_run_folder_holds_logged_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
