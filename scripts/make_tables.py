@@ -15,12 +15,37 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+METHOD_CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+MAIN_KEYS = {"threshold", "keep_ratio", "press", "surrogate_path", "_target_", "name"}
+
 
 def setting(m: dict) -> str:
+    """The method's main knob, then any other option that differs from its config (e.g. an ablation)."""
+    main = "-"
     for key, label in (("threshold", "tau"), ("keep_ratio", "keep"), ("press_compression_ratio", "prune")):
         if m.get(key) is not None:
-            return f"{label}={m[key]:g}"
-    return "-"
+            main = f"{label}={m[key]:g}"
+            break
+    return ", ".join([main, *m.get("changed", [])])
+
+
+def changed_options(run_dir: Path) -> list[str]:
+    """Options of the run's method that differ from conf/method/<name>.yaml (interpolations aside)."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return []
+    method = OmegaConf.to_container(OmegaConf.load(config)).get("method") or {}  # type: ignore[union-attr]
+    defaults_file = METHOD_CONF / f"{method.get('name')}.yaml"
+    if not defaults_file.is_file():
+        return []
+    defaults = OmegaConf.to_container(OmegaConf.load(defaults_file))
+    return [
+        f"{k}={v}"
+        for k, v in method.items()
+        if k not in MAIN_KEYS and k in defaults and defaults[k] != v and not str(defaults[k]).startswith("${")  # type: ignore[operator]
+    ]
 
 
 def load(root: Path) -> list[dict]:
@@ -28,6 +53,7 @@ def load(root: Path) -> list[dict]:
     for done in sorted(root.glob("evaluate/*/DONE")):
         metrics = json.loads((done.parent / "metrics.json").read_text())
         metrics["run"] = done.parent.name
+        metrics["changed"] = changed_options(done.parent)
         runs.append(metrics)
     return runs
 
