@@ -74,7 +74,7 @@ def test_evaluate_kvzap_from_an_exported_surrogate_and_make_tables(tmp_path: Pat
     )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "t" / "ruler_table.md").read_text()
-    assert "| full | - | 0.00 |" in text and "| kvzap_mlp | tau=0 |" in text
+    assert "| full | - | 0.00 |" in text and "| kvzap_mlp | tau=0, window=16 |" in text  # options off the config shown
     assert (tmp_path / "t" / "ruler_curve.png").stat().st_size > 1000
 
 
