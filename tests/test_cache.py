@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvresearch.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
-from kvresearch.ops.attention import _is_fresh_prefill, dense_reference, ragged_attention
+from kvresearch.ops.attention import _fresh_prefill_rows, dense_reference, ragged_attention
 from tests.test_models import tiny_family
 
 
@@ -61,7 +61,9 @@ def test_fresh_prefill_takes_the_causal_path_and_agrees_with_brute_force(window)
     )
     pos = [torch.arange(n)] * hkv
     args = packed(list(k), list(v), [torch.zeros(n)] * hkv, pos)
-    assert _is_fresh_prefill(torch.arange(n), args[2], args[3], args[4], args[5], window) == (window != 5)
+    assert (_fresh_prefill_rows(torch.arange(n), args[2], args[3], args[4], args[5], window) is not None) == (
+        window != 5
+    )
     delta = torch.arange(n)[:, None] - torch.arange(n)[None]
     visible = ((delta >= 0) if window is None else (delta >= 0) & (delta < window)).expand(hkv, n, n)
     expected = dense_reference(q, k, v, torch.zeros(hkv, n), visible, 0.3)

@@ -34,8 +34,8 @@ def ragged_attention(
     kv_heads = starts.numel()
     group = q_heads // kv_heads
     dtype = torch.promote_types(q.dtype, torch.float32)
-    if _is_fresh_prefill(q_pos, bias, pos, starts, lengths, window):
-        rows = (starts[:, None] + torch.arange(n_q, device=starts.device)).reshape(-1)
+    rows = _fresh_prefill_rows(q_pos, bias, pos, starts, lengths, window)
+    if rows is not None:
         k = keys[rows].view(kv_heads, n_q, -1).to(dtype).repeat_interleave(group, 0)
         v = values[rows].view(kv_heads, n_q, -1).to(dtype).repeat_interleave(group, 0)
         out = F.scaled_dot_product_attention(
@@ -61,22 +61,24 @@ def ragged_attention(
     return out.to(q.dtype)
 
 
-def _is_fresh_prefill(
+def _fresh_prefill_rows(
     q_pos: torch.Tensor,
     bias: torch.Tensor,
     pos: torch.Tensor,
     starts: torch.Tensor,
     lengths: torch.Tensor,
     window: int | None,
-) -> bool:
-    """True when each head holds exactly positions ``q_pos`` (sorted, contiguous) with zero bias: plain causal."""
+) -> torch.Tensor | None:
+    """The packed rows (Hkv * T,) when each head holds exactly positions ``q_pos`` (sorted, contiguous)
+    with zero bias and no window cut: a plain causal prefill. None otherwise."""
     n_q = q_pos.numel()
     if bool((lengths != n_q).any()) or (window is not None and window < n_q):
-        return False
+        return None
     if n_q == 0 or int(q_pos[-1] - q_pos[0]) != n_q - 1 or bool((q_pos.diff() != 1).any()):
-        return False
+        return None
     rows = (starts[:, None] + torch.arange(n_q, device=starts.device)).reshape(-1)
-    return bool((pos[rows].view(-1, n_q) == q_pos).all()) and not bool(bias[rows].any())
+    fresh = bool((pos[rows].view(-1, n_q) == q_pos).all()) and not bool(bias[rows].any())
+    return rows if fresh else None
 
 
 def dense_reference(

@@ -61,9 +61,7 @@ def bounded_gram_nnls(
     threshold = tol * float(b.abs().max().clamp_min(1e-300))
     max_iter = max_iter or 3 * t + 20
     for _ in range(max_iter):
-        free = state == 0
-        if bool(free.any()):
-            w = _inner(gram, b, w, state, lower, upper)
+        w = _inner(gram, b, w, state, lower, upper)  # returns w unchanged when nothing is free
         grad = gram @ w - b  # descent direction is -grad
         gain = torch.where(state == -1, -grad, torch.where(state == 1, grad, torch.zeros_like(grad)))
         j = int(gain.argmax())
