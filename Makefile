@@ -7,7 +7,6 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 CONSTRAINTS ?= -c requirements/lock.txt
 PY := $(VENV)/bin/python
-OUTPUTS := $(or $(KVRESEARCH_OUTPUTS),outputs)
 KVZAP_THRESHOLDS ?= -4.5,-3.5,-2.5
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
@@ -56,12 +55,10 @@ needle: $(STAMP) ## full-cache needle retrieval on the embedded model (outputs/n
 extract: $(STAMP) ## KVzip+ oracle scores -> training shards (outputs/extract/default/, ~25 min on 2 cores)
 	$(PY) -m kvresearch.stages.extract $(ARGS)
 
-$(OUTPUTS)/extract/default/DONE: | $(STAMP)
+train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + MLP surrogates on it, the fit table
 	$(PY) -m kvresearch.stages.extract
-
-train-surrogate: $(STAMP) $(OUTPUTS)/extract/default/DONE ## linear + MLP surrogates on the default extract, then the fit table
 	$(PY) -m kvresearch.stages.train_surrogate -m surrogate=linear,mlp $(ARGS)
-	$(PY) scripts/surrogate_table.py --root $(OUTPUTS) --per-layer
+	$(PY) scripts/surrogate_table.py --per-layer
 
 evaluate: $(STAMP) ## one evaluate run: make evaluate ARGS="method=kvzap_mlp method.threshold=-4"
 	$(PY) -m kvresearch.stages.evaluate $(ARGS)
@@ -76,16 +73,16 @@ sweep-ruler: $(STAMP) ## the first result: RULER 2k on the embedded model, KVzap
 	$(EVAL) method=full
 	$(EVAL) method=kvzap_mlp,kvzap_linear method.threshold=$(KVZAP_THRESHOLDS)
 	$(EVAL) method=kvzip_plus method.keep_ratio=0.33
-	$(EVAL) method=snapkv,streaming_llm method.press.compression_ratio=0.5,0.67
+	$(EVAL) method=snapkv,streaming_llm method.keep_ratio=0.5,0.33
 
 tables: $(STAMP) ## every evaluate run -> docs/results/ruler_table.md and ruler_curve.png
-	$(PY) scripts/make_tables.py --root $(OUTPUTS) --out docs/results
+	$(PY) scripts/make_tables.py --out docs/results
 
 bench-extract: $(STAMP) ## extraction speed and memory vs the eager reference (outputs/bench/extract.json)
 	$(PY) scripts/bench_extract.py
 
 bench-kvzap: $(STAMP) ## KVzap vs full cache vs kvpress: overhead, KV bytes, decode speed (outputs/bench/kvzap.json)
-	$(PY) scripts/bench_kvzap.py --surrogates $(OUTPUTS)/train_surrogate
+	$(PY) scripts/bench_kvzap.py $(ARGS)
 
 bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per head, held-out errors, 10x answers (outputs/bench/am.json)
 	$(PY) scripts/bench_am.py $(ARGS)

@@ -1,8 +1,8 @@
-"""Oracle capture (model glue): the repeat prompt, and KVzip/KVzip+ scores from one forward pass.
+"""Oracle capture (model glue): KVzip/KVzip+ scores from one forward pass over the repeat prompt.
 
-Repeat prompt (the KVzap training template): chat template with user = context + instruction and
-assistant = context. We build its ids from pieces (template head, context ids, instruction + template
-middle, context ids) so that the spans are exact and the chunked oracle below sees the same tokens.
+Repeat prompt (the KVzap training template, ``prompts.repeat_prompt``): chat template with user =
+context + instruction and assistant = context, built from ids of its pieces so that the spans are
+exact and the chunked oracle below sees the same tokens.
 
 Our choices where the reference implementations differ:
 
@@ -25,54 +25,13 @@ import torch
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.hooks import attention_calls, attention_inputs
 from kvresearch.ops.scores import kvzip_scores
-
-FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
-NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
-_MARK = "\x00KVR_CONTEXT\x00"
-
-
-@dataclass
-class TemplatePieces:
-    """Token ids of the chat template around the context: head + context + middle, then the repeat."""
-
-    head: list[int]  # before the user content (system prompt, user header)
-    middle: list[int]  # between the user content and the assistant content (end of turn, assistant header)
-
-
-def template_pieces(tokenizer: Any) -> TemplatePieces:
-    if not getattr(tokenizer, "chat_template", None):
-        return TemplatePieces([], tokenizer("\n", add_special_tokens=False).input_ids)
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}], tokenize=False
-    )
-    head, middle, _tail = rendered.split(_MARK)
-    encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids
-    return TemplatePieces(encode(head), encode(middle))
-
-
-@dataclass
-class RepeatPrompt:
-    input_ids: torch.Tensor  # (1, L)
-    context: slice  # the original context span
-    repeat: slice  # the repeated copy (the scoring rows)
-
-
-def repeat_prompt(
-    tokenizer: Any,
-    context_ids: list[int],
-    pieces: TemplatePieces | None = None,
-    instruction_text: str = FIRST_INSTRUCTION,
-) -> RepeatPrompt:
-    """``head | context | instruction + middle | context`` with the two context spans marked."""
-    pieces = pieces or template_pieces(tokenizer)
-    instruction = tokenizer(instruction_text, add_special_tokens=False).input_ids
-    ids = pieces.head + context_ids + instruction + pieces.middle + context_ids
-    start, n = len(pieces.head), len(context_ids)
-    return RepeatPrompt(torch.tensor([ids]), slice(start, start + n), slice(len(ids) - n, len(ids)))
+from kvresearch.prompts import KVZIP_CONTINUE, KVZIP_REPEAT, RepeatPrompt, template_pieces
 
 
 @dataclass
 class LayerScores:
+    """One layer's oracle scores for the context tokens."""
+
     kvzip: torch.Tensor  # (kv_heads, n_context) fp32
     kvzip_plus: torch.Tensor  # (kv_heads, n_context) fp32
     hidden: torch.Tensor | None  # (n_selected, hidden) attention inputs of the selected context positions
@@ -129,7 +88,10 @@ def oracle_scores(
     the q, k, v it attends with, layer by layer, in row blocks.
 
     Args:
+        adapter: the model.
+        prompt: the repeat prompt (its two context spans marked).
         keep_hidden: (n_selected,) context offsets whose attention inputs h are returned (None: none).
+        block: query rows per block of the score computation.
     """
     n = prompt.context.stop - prompt.context.start
     cols = torch.arange(prompt.context.start, prompt.context.stop)
@@ -171,8 +133,16 @@ def chunked_oracle_scores(
     On a context of one chunk this equals :func:`oracle_scores` on the same ids.
 
     Args:
+        adapter: the model.
+        tokenizer: its tokenizer (for the instructions and the chat template).
         cache: a transformers cache holding exactly ``head_len + len(context_ids)`` positions.
+        context_ids: the context's token ids (after the template head).
         head_len: number of template-head tokens before the context in the cache.
+        chunk_size: context tokens per repeat pass.
+        hint_tokens: tokens of the previous chunk that the next instruction quotes.
+        block: query rows per block of the score computation.
+        progress: called with the number of context tokens done after each chunk.
+
     Returns:
         per layer: kvzip and kvzip_plus of shape (kv_heads, len(context_ids)); hidden is None.
     """
@@ -188,9 +158,9 @@ def chunked_oracle_scores(
     for start in range(0, len(context_ids), chunk_size):
         chunk = context_ids[start : start + chunk_size]
         if start == 0:
-            prefix = encode(FIRST_INSTRUCTION)
+            prefix = encode(KVZIP_REPEAT)
         else:
-            prefix = encode(NEXT_INSTRUCTION) + context_ids[max(0, start - hint_tokens) : start]
+            prefix = encode(KVZIP_CONTINUE) + context_ids[max(0, start - hint_tokens) : start]
         ids = prefix + pieces.middle + chunk
         rows = slice(len(ids) - len(chunk), len(ids))
         cols = torch.arange(head_len + start, head_len + start + len(chunk))

@@ -1,56 +1,296 @@
-"""One sample through one method: compress the context once, answer from a copy of the cache.
+"""Evaluation: one method over a benchmark's samples, resumable, with fidelity to the full cache.
 
-Also the fidelity metric of the Attention Matching paper: the log-perplexity of a reference answer
-(the full-cache model's own) under a compressed cache.
+Protocol: each sample's context is compressed once (``method.compress``) and each of its questions is
+answered greedily from its own copy of the compressed cache (query-agnostic, as KVzip and Attention
+Matching evaluate); ``query_aware`` compresses context + question instead, once per question.
+
+Every answer appends one line to the run's ``predictions.jsonl`` as it goes; a killed run resumes after
+its last valid line, and a damaged line is named and redone (:class:`Predictions`).
+
+Fidelity: the full cache's greedy answer to the same question comes from a finished ``method=full``
+evaluate run, found by path (the run with this run's overrides but the method, see
+:func:`find_reference`) and checked to match this run's model, benchmark and prompts; answers it lacks
+are computed here. Per answer: exact agreement with the full-cache answer and the mean negative
+log-likelihood of that answer under the compressed cache (the Attention Matching paper's metric).
 """
 
 from __future__ import annotations
 
-import copy
+import hashlib
+import json
 import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
+from kvresearch.benchmarks.metrics import METRICS
+from kvresearch.benchmarks.sample import Sample
+from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import FullCache, Method
+from kvresearch.models.session import Session
+from kvresearch.progress import Progress
+from kvresearch.prompts import Prompt, build_prompt
+from kvresearch.runs import is_done, read_json, resolve_run, sibling_runs, write_atomic
+from kvresearch.tracking import Tracker
 
-from kvresearch.cache import RaggedCache, ragged_attention_enabled
-from kvresearch.generation import Prompt, eos_ids, greedy
-from kvresearch.methods.base import Session
+ANSWER_GROUPS = ("model", "benchmark", "evaluate")  # what a full-cache answer depends on
+REQUIRED = ("id", "group", "task", "prediction", "score", "answer_ids", "prompt_sha1", "prune_ratio")
 
 
-def compress(method: Any, session: Session, prompt: Prompt) -> tuple[RaggedCache, float]:
-    start = time.perf_counter()
-    cache = method.compress(session, prompt)
-    return cache, time.perf_counter() - start
+@dataclass
+class Settings:
+    """How a run answers: the evaluate config plus the model's position limit."""
+
+    query_aware: bool = False
+    fidelity: bool = True
+    max_new_tokens: int | None = None  # cap on each question's own generation length
+    max_context: int | None = None  # the model's positions: longer prompts are refused
+
+    @classmethod
+    def from_config(cls, evaluate: Mapping[str, Any], model: Mapping[str, Any]) -> Settings:
+        """From the ``evaluate`` and ``model`` config groups."""
+        cap = evaluate.get("max_new_tokens")
+        return cls(
+            bool(evaluate["query_aware"]),
+            bool(evaluate["fidelity"]),
+            int(cap) if cap else None,
+            model.get("max_context"),
+        )
+
+    def new_tokens(self, asked: int) -> int:
+        """Tokens to generate for a question that asks for ``asked``."""
+        return min(asked, self.max_new_tokens) if self.max_new_tokens else asked
 
 
-@torch.no_grad()
-def answer(
-    method: Any,
+def prompts_of(tokenizer: Any, sample: Sample, query_aware: bool) -> list[Prompt]:
+    """One prompt per question; query-aware prompts put the question inside the compressed part."""
+    out = []
+    for q in sample.questions:
+        if query_aware:
+            out.append(build_prompt(tokenizer, sample.context + "\n" + q.text, "", q.answer_prefix))
+        else:
+            out.append(build_prompt(tokenizer, sample.context, q.text, q.answer_prefix))
+    return out
+
+
+def check_lengths(samples: list[Sample], prompts: list[list[Prompt]], settings: Settings) -> None:
+    """Refuse samples whose prompt and answer exceed the model's positions (this benchmark defines no truncation)."""
+    if not settings.max_context:
+        return
+    too_long = [
+        (s.record_id(i), p.context_ids.shape[1], p.question_ids.shape[1], settings.new_tokens(q.max_new_tokens))
+        for s, ps in zip(samples, prompts, strict=True)
+        for i, (q, p) in enumerate(zip(s.questions, ps, strict=True))
+        if p.n_tokens + settings.new_tokens(q.max_new_tokens) > settings.max_context
+    ]
+    if too_long:
+        rid, ctx, question, new = too_long[0]
+        raise KVResearchError(
+            f"{len(too_long)} answer(s) would not fit model.max_context={settings.max_context}: {rid} needs "
+            f"{ctx + question + new} positions (context {ctx} + question {question} + up to {new} new tokens). "
+            "This benchmark defines no truncation, so nothing was cut: lower benchmark.lengths (or "
+            "evaluate.max_new_tokens), or use a model with more positions."
+        )
+
+
+def prompt_sha1(prompt: Prompt, max_new_tokens: int) -> str:
+    """A hash of what a full-cache answer depends on: the ids and the generation length."""
+    payload = json.dumps([prompt.context_ids.tolist(), prompt.question_ids.tolist(), max_new_tokens])
+    return hashlib.sha1(payload.encode()).hexdigest()
+
+
+class Predictions:
+    """A run's ``predictions.jsonl``: appended as answers come, read back keeping every valid line."""
+
+    def __init__(self, path: Path):
+        """Bind to ``path`` (created on the first append)."""
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """Valid records by id.
+
+        Damaged lines (a killed run's torn last line, planted junk) are named and dropped, and the file is
+        rewritten without them, so their answers are redone.
+        """
+        if not self.path.is_file():
+            return {}
+        records: dict[str, dict[str, Any]] = {}
+        bad = []
+        for number, line in enumerate(self.path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or any(key not in record for key in REQUIRED):
+                    raise ValueError(f"not a record (needs {', '.join(REQUIRED)})")
+            except ValueError as error:
+                bad.append(f"line {number} ({str(error)[:80]})")
+                continue
+            records.setdefault(str(record["id"]), record)
+        if bad:
+            print(
+                f"[kvresearch] {self.path}: dropped {len(bad)} damaged line(s), whose answers are redone: "
+                + "; ".join(bad[:5]),
+                flush=True,
+            )
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records.values()))
+        return records
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add one record and flush it to disk."""
+        with self.path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def find_reference(explicit: str | None, out_dir: Path, root: Path) -> Path | None:
+    """The finished ``method=full`` run to take full-cache answers from, or None.
+
+    ``explicit``: a run folder or id (``evaluate.reference_run``); None: the run named by this run's model,
+    benchmark and evaluate overrides with ``method=full`` (or the default method), if it is finished.
+    """
+    if explicit:
+        return resolve_run(explicit, "evaluate", root)
+    return next((p for p in sibling_runs(out_dir, ANSWER_GROUPS, "method=full") if is_done(p)), None)
+
+
+def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Records of a finished full-cache run, after checking it was made under the same settings as ``expect``."""
+    fix = f"Re-run that method=full run with force=true, or set evaluate.reference_run to another run ({folder})."
+    recorded = read_json(folder / "metrics.json", fix)
+    if (recorded.get("method") or {}).get("class") != "FullCache":
+        raise KVResearchError(
+            f"The reference run {folder} is not a full-cache run (method={recorded.get('method')}). {fix}"
+        )
+    for key, value in expect.items():
+        theirs = recorded.get(key) or {}
+        differ = sorted(k for k in set(theirs) | set(value) if theirs.get(k) != value.get(k))
+        if differ:
+            shown = "; ".join(f"{key}.{k}: {theirs.get(k)!r} there, {value.get(k)!r} here" for k in differ[:4])
+            raise KVResearchError(
+                f"The reference run {folder} was made under other settings ({shown}): its answers are not this "
+                f"run's full-cache answers. {fix}"
+            )
+    return Predictions(folder / "predictions.jsonl").load()
+
+
+def evaluate(
     session: Session,
-    cache: RaggedCache,
-    question_ids: torch.Tensor,
-    max_new_tokens: int,
-    stop: bool = True,
-) -> tuple[list[int], float]:
-    """Greedy answer after ``cache`` (left untouched: a copy is extended); ``stop=False`` ignores EOS."""
-    working = copy.deepcopy(cache)
-    eos = eos_ids(session.model, session.tokenizer) if stop else set()
-    start = time.perf_counter()
-    with ragged_attention_enabled(session.model), method.decode_context(session, working):
-        tokens = greedy(session.model, working, question_ids, max_new_tokens, eos)
-    return tokens, time.perf_counter() - start
+    method: Method,
+    samples: list[Sample],
+    out_dir: Path,
+    settings: Settings,
+    reference: dict[str, dict[str, Any]] | None = None,
+    tracker: Tracker | None = None,
+) -> list[dict[str, Any]]:
+    """Answer every question of ``samples`` with ``method``; return all records (resumed ones included)."""
+    tokenizer = session.tokenizer
+    prompts = [prompts_of(tokenizer, s, settings.query_aware) for s in samples]
+    check_lengths(samples, prompts, settings)
+    predictions = Predictions(out_dir / "predictions.jsonl")
+    done = predictions.load()
+    bar = Progress(len(samples), f"evaluate {method.name}", unit="sample")
+    for sample, sample_prompts in zip(samples, prompts, strict=True):
+        todo = [i for i in range(len(sample.questions)) if sample.record_id(i) not in done]
+        cache, compress_s = None, 0.0
+        for i in todo:
+            prompt, question = sample_prompts[i], sample.questions[i]
+            if cache is None or settings.query_aware:
+                start = time.perf_counter()
+                cache = method.compress(session, prompt)
+                compress_s = time.perf_counter() - start
+            max_new = settings.new_tokens(question.max_new_tokens)
+            tokens, decode_s = session.answer(
+                cache, prompt.question_ids, max_new, lambda c: method.decode_context(session, c)
+            )
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            stats = cache.stats()
+            record: dict[str, Any] = {
+                "id": sample.record_id(i),
+                "group": sample.group,
+                "task": sample.task,
+                "question": i,
+                "prediction": text,
+                "answer": list(question.references),
+                "score": METRICS[sample.metric](text, list(question.references)),
+                "answer_ids": tokens,
+                "prompt_sha1": prompt_sha1(prompt, max_new),
+                "compress_s": compress_s,
+                "decode_s": decode_s,
+                "new_tokens": len(tokens),
+                "prune_ratio": stats["prune_ratio"],
+                "kv_bytes_dense": stats["kv_bytes"]["dense"],
+                "kv_bytes_kept": stats["kv_bytes"]["kept"],
+            }
+            report = {k: v for k, v in method.report().items() if k != "per_layer_head"}
+            if report:
+                record["method_report"] = report
+            if settings.fidelity:
+                ref, source = _full_answer(session, method, prompt, max_new, record, reference)
+                record["agrees_with_full"] = tokens == ref
+                record["full_answer_nll"] = session.answer_nll(cache, prompt.question_ids, ref)
+                record["full_answer_from"] = source
+            predictions.append(record)
+            done[record["id"]] = record
+            if tracker is not None:
+                tracker.log({"score": record["score"], "prune_ratio": record["prune_ratio"]})
+        bar.update(1, score=f"{done[sample.record_id(0)]['score']:.2f}")
+    bar.close()
+    wanted = {s.record_id(i) for s in samples for i in range(len(s.questions))}
+    return [r for rid, r in done.items() if rid in wanted]
 
 
-@torch.no_grad()
-def answer_logprob(session: Session, cache: RaggedCache, question_ids: torch.Tensor, answer_ids: list[int]) -> float:
-    """Mean negative log-likelihood per token of ``answer_ids`` after the question, under ``cache``."""
-    if not answer_ids:
-        return float("nan")
-    working = copy.deepcopy(cache)
-    ids = torch.cat([question_ids, torch.tensor([answer_ids])], dim=1).to(session.device)
-    with ragged_attention_enabled(session.model):
-        logits = session.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
-    n_q = question_ids.shape[1]
-    logprobs = torch.log_softmax(logits[n_q - 1 : -1].float(), dim=-1)
-    target = torch.tensor(answer_ids, device=logprobs.device)
-    return float(-logprobs.gather(1, target[:, None]).mean())
+def _full_answer(
+    session: Session,
+    method: Method,
+    prompt: Prompt,
+    max_new: int,
+    record: dict[str, Any],
+    reference: dict[str, dict[str, Any]] | None,
+) -> tuple[list[int], str]:
+    """The full-cache answer of this question and where it came from: this run, the reference run, or computed."""
+    if method.lossless:
+        return record["answer_ids"], "self"
+    known = (reference or {}).get(record["id"])
+    if known is not None:
+        if known.get("prompt_sha1") != record["prompt_sha1"]:
+            raise KVResearchError(
+                f"The reference run's answer to {record['id']} was made from other prompt ids or another "
+                "generation length than this run's: re-run the method=full run with force=true."
+            )
+        return list(known["answer_ids"]), "reference_run"
+    full = FullCache()
+    tokens, _ = session.answer(full.compress(session, prompt), prompt.question_ids, max_new)
+    return tokens, "computed"
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means per group (``task@length``) and overall; scores x 100 like RULER."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[r["group"]].append(r)
+
+    def mean(rows: list[dict[str, Any]], key: str) -> float | None:
+        values = [float(r[key]) for r in rows if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    def block(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "samples": len(rows),
+            "score": 100 * (mean(rows, "score") or 0.0),
+            "prune_ratio": mean(rows, "prune_ratio"),
+            "agreement": mean(rows, "agrees_with_full"),
+            "full_answer_nll": mean(rows, "full_answer_nll"),
+            "kv_bytes_kept": mean(rows, "kv_bytes_kept"),
+            "kv_bytes_dense": mean(rows, "kv_bytes_dense"),
+            "compress_s": mean(rows, "compress_s"),
+            "decode_s": mean(rows, "decode_s"),
+        }
+
+    sources: dict[str, int] = defaultdict(int)
+    for r in records:
+        sources[r.get("full_answer_from", "none")] += 1
+    return {
+        "overall": block(records),
+        "tasks": {group: block(rows) for group, rows in sorted(groups.items())},
+        "full_answers_from": dict(sources),
+    }

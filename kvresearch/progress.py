@@ -10,6 +10,8 @@ from tqdm.auto import tqdm
 
 
 class Progress:
+    """A progress bar for ``total`` steps of ``desc``."""
+
     def __init__(self, total: int, desc: str, unit: str = "it", every_s: float = 60.0):
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total, desc=desc, unit=unit, disable=not self.interactive, dynamic_ncols=True)
@@ -17,6 +19,7 @@ class Progress:
         self.done, self.last = 0, time.monotonic()
 
     def update(self, n: int = 1, **postfix: Any) -> None:
+        """``n`` more steps done; ``postfix`` shows alongside."""
         self.done += n
         if self.interactive:
             self.bar.set_postfix(postfix, refresh=False)
@@ -27,4 +30,5 @@ class Progress:
             self.last = time.monotonic()
 
     def close(self) -> None:
+        """End the bar."""
         self.bar.close()

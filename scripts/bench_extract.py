@@ -66,8 +66,9 @@ def child(method: str, n_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from hydra import compose, initialize_config_dir
 
-    from kvresearch.capture import oracle_scores, repeat_prompt
+    from kvresearch.capture import oracle_scores
     from kvresearch.models import ModelAdapter, load_model
+    from kvresearch.prompts import repeat_prompt
     from kvresearch.runs import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -120,7 +121,9 @@ def main() -> None:
             ours, ref = torch.load(a), torch.load(b)
             rel = max(float(((x - y).abs() / y.abs().clamp_min(1e-30)).max()) for x, y in zip(ours, ref, strict=True))
             rows[-1]["max_rel_diff_vs_ours"] = rel
-    out = ROOT / "outputs" / "bench" / "extract.json"
+    from kvresearch.runs import outputs_root
+
+    out = outputs_root() / "bench" / "extract.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised, fp32)",

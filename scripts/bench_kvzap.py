@@ -8,7 +8,9 @@ the full cache's; (e) kvpress with the same surrogate and threshold: same evicte
 it keeps. Thresholds are calibrated per surrogate on the first sample to keep about ``--keep`` of the
 entries. Writes ``outputs/bench/kvzap.json``.
 
-    .venv/bin/python scripts/bench_kvzap.py [--tokens 4096] [--keep 0.33] [--samples 3]
+    .venv/bin/python scripts/bench_kvzap.py [--tokens 4096] [--keep 0.33] [--samples 3] [paths.surrogate_mlp=<run>]
+
+The surrogates are those of the train_surrogate runs named in ``conf/paths/`` (override them as above).
 """
 
 from __future__ import annotations
@@ -16,21 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from kvresearch.benchmarks.needle import needle_sample
-from kvresearch.cache import ragged_attention_enabled
-from kvresearch.evaluation import answer
-from kvresearch.generation import build_prompt
-from kvresearch.methods.base import FullCache, Session, dense_prefill
-from kvresearch.methods.kvzap import KVzap
-from kvresearch.models import ModelAdapter, load_model
-from kvresearch.surrogate import Surrogate
-
-ROOT = Path(__file__).resolve().parents[1]
+from kvresearch.methods.base import FullCache
+from kvresearch.methods.baselines import kvzap_press
+from kvresearch.methods.kvzap import ThresholdPruner
+from kvresearch.models import ModelAdapter, Session, load_model
+from kvresearch.models.cache import ragged_attention_enabled
+from kvresearch.models.presses import masked_pairs
+from kvresearch.prompts import build_prompt
+from kvresearch.runs import outputs_root
+from kvresearch.surrogate import Surrogate, from_run
 
 
 class Timed:
@@ -42,7 +42,7 @@ class Timed:
     def compress(self, session, prompt):
         cache = session.new_cache()
         ids = prompt.context_ids
-        pruner = self.method if isinstance(self.method, KVzap) else None
+        pruner = self.method if isinstance(self.method, ThresholdPruner) else None
         start = time.perf_counter()
         with ragged_attention_enabled(session.model), torch.no_grad():
             ctx = pruner.attach(session.adapter, cache) if pruner else _null()
@@ -54,9 +54,6 @@ class Timed:
         self.prefill_s = time.perf_counter() - start
         self.scoring_s = timer.seconds if pruner else 0.0
         return cache
-
-    def decode_context(self, session, cache):
-        return _null()
 
 
 class _null:
@@ -71,30 +68,12 @@ class _null:
 
 def calibrate(session, surrogate: Surrogate, prompt, keep: float, window: int) -> float:
     """The threshold that keeps ``keep`` of the entries outside the window on this prompt."""
-    inputs: dict[int, torch.Tensor] = {}
-    dense_prefill(session, prompt.context_ids, inputs)
+    inputs = session.dense_prefill(prompt.context_ids, record_inputs=True).inputs
     with torch.no_grad():
         scores = torch.cat([surrogate.forward_layer(i, inputs[i][0, :-window]).flatten() for i in inputs])
     n = prompt.context_ids.shape[1]
     share_outside = (keep * n - window) / (n - window)
     return float(scores.quantile(1 - share_outside))
-
-
-def kvpress_evictions(session, surrogate_dir: Path, kind: str, tau: float, window: int, prompt) -> tuple[set, int]:
-    from kvresearch.methods.baselines import kvpress_kvzap
-
-    press = kvpress_kvzap(str(surrogate_dir), kind, tau, window)
-    dense = DynamicCache()
-    with torch.no_grad(), press(session.model):
-        session.model(input_ids=prompt.context_ids, past_key_values=dense, use_cache=True)
-    evicted = set()
-    for index, spec in enumerate(session.adapter.layers):
-        if spec.attn.masked_key_indices is not None:
-            _, heads, positions = (t.tolist() for t in spec.attn.masked_key_indices)
-            evicted |= {(index, h, p) for h, p in zip(heads, positions, strict=True)}
-            spec.attn.masked_key_indices = None
-    kept_bytes = sum(layer.keys.numel() + layer.values.numel() for layer in dense.layers) * 4
-    return evicted, kept_bytes
 
 
 def main() -> None:
@@ -105,8 +84,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--surrogates", default=str(ROOT / "outputs" / "train_surrogate"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. paths.surrogate_mlp=<run folder or id>")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -115,18 +94,20 @@ def main() -> None:
     from kvresearch.runs import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("model/smollm2_135m").model
-    loaded = load_model(cfg)
+        cfg = compose("evaluate", overrides=["model=smollm2_135m", *args.overrides])
+    loaded = load_model(cfg.model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     samples = [needle_sample(loaded.tokenizer, args.tokens, d, seed=i) for i, d in enumerate([0.25, 0.5, 0.75])]
     samples = samples[: args.samples]
     prompts = [build_prompt(loaded.tokenizer, s["context"], s["question"], s["answer_prefix"]) for s in samples]
 
-    surrogates = {
-        kind: Surrogate.load(Path(args.surrogates) / f"surrogate={kind}" / "export") for kind in ("mlp", "linear")
+    surrogates: dict[str, Surrogate] = {
+        kind: from_run(cfg.paths[f"surrogate_{kind}"], kind, cfg.model.name, cfg.paths.root)
+        for kind in ("mlp", "linear")
     }
     taus = {kind: calibrate(session, s, prompts[0], args.keep, args.window) for kind, s in surrogates.items()}
-    methods = {"full": FullCache()} | {f"kvzap_{k}": KVzap(s, taus[k], args.window) for k, s in surrogates.items()}
+    pruners = {f"kvzap_{k}": ThresholdPruner(s, taus[k], args.window) for k, s in surrogates.items()}
+    methods = {"full": FullCache(), **pruners}
 
     rows = []
     for name, method in methods.items():
@@ -134,9 +115,9 @@ def main() -> None:
             timed = Timed(method, args.chunk)
             cache = timed.compress(session, prompt)
             stats = cache.stats()
-            answer_ids, _ = answer(timed, session, cache, prompt.question_ids, sample["max_new_tokens"])
+            answer_ids, _ = session.answer(cache, prompt.question_ids, sample["max_new_tokens"])
             # decode speed: a fixed number of tokens, no early stop
-            decode_ids, decode_s = answer(timed, session, cache, prompt.question_ids, args.new_tokens, stop=False)
+            decode_ids, decode_s = session.answer(cache, prompt.question_ids, args.new_tokens, stop=False)
             text = loaded.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
             entry = cache.ragged[0].entry_bytes()
             rows.append(
@@ -189,9 +170,8 @@ def main() -> None:
             for h in range(session.adapter.num_kv_heads)
             for p in set(range(layer.seen)) - set(layer.head_positions(h).tolist())
         }
-        theirs, kvpress_bytes = kvpress_evictions(
-            session, Path(args.surrogates) / f"surrogate={kind}" / "kvpress", kind, taus[kind], args.window, prompts[0]
-        )
+        press = kvzap_press(surrogates[kind], taus[kind], args.window)
+        theirs, kvpress_bytes = masked_pairs(session, prompts[0].context_ids, press)
         comparison.append(
             {
                 "surrogate": kind,
@@ -204,7 +184,7 @@ def main() -> None:
             }
         )
         print(comparison[-1], flush=True)
-    out = ROOT / "outputs" / "bench" / "kvzap.json"
+    out = outputs_root() / "bench" / "kvzap.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised, fp32)",
@@ -215,6 +195,7 @@ def main() -> None:
         "prefill_chunk": args.chunk,
         "new_tokens": args.new_tokens,
         "thresholds": taus,
+        "surrogates": {kind: s.source for kind, s in surrogates.items()},
     }
     out.write_text(json.dumps({"settings": settings, "rows": rows, "kvpress": comparison}, indent=2) + "\n")
     print(f"wrote {out}")
@@ -224,7 +205,7 @@ class KVzapOnly:
     """One-pass prefill with the pruner (the setting in which kvpress's DMSPress also runs)."""
 
     def __init__(self, surrogate, tau, window):
-        self.pruner = KVzap(surrogate, tau, window)
+        self.pruner = ThresholdPruner(surrogate, tau, window)
 
     def run(self, session, prompt):
         cache = session.new_cache()

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
+
+from kvresearch.runs import outputs_root
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", default=os.environ.get("KVRESEARCH_OUTPUTS", "outputs"))
+    parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--per-layer", action="store_true", help="add the per-layer R^2 table")
     args = parser.parse_args()
     runs = sorted(p.parent for p in Path(args.root, "train_surrogate").glob("*/DONE"))

@@ -1,46 +1,40 @@
-"""Shared fixtures: composed stage configs, the tiny random model, the embedded model."""
+"""Fixtures: the tiny random model and the embedded model, loaded once per session; CUDA-only tests skipped.
+
+Tests never touch the checkout's outputs/: the outputs root is a temporary folder for the session.
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import tempfile
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["KVRESEARCH_OUTPUTS"] = tempfile.mkdtemp(prefix="kvr-test-outputs-")
 
 from kvresearch.models import LoadedModel, load_model
-from kvresearch.runs import CONF_DIR
+from tests.helpers import model_config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def compose_stage(name: str, out_dir: Path, overrides: list[str] | None = None) -> DictConfig:
-    """A stage's primary config as Hydra composes it, with its run folder at ``out_dir``."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(name, overrides=[f"out_dir={out_dir}", "run_name=test", *(overrides or [])])
-
-
-def model_config(name: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(f"model/{name}").model
-
-
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
+    """The seeded 3-layer GQA llama of conf/model/tiny_random.yaml, with the embedded model's tokenizer."""
     return load_model(model_config("tiny_random"))
 
 
 @pytest.fixture(scope="session")
 def smol() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct."""
     return load_model(model_config("smollm2_135m"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the ``gpu`` tests where no CUDA device is visible."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -145,3 +145,23 @@ def test_omp_beats_highest_attention_on_the_mass_and_float32_work_matches_float6
     assert errors["f64"]["mass_rel"] < highest["mass_rel"]
     for metric in ("mass_rel", "output_rel_l2"):
         assert abs(errors["f32"][metric] - errors["f64"][metric]) < 1e-3 * max(errors["f64"][metric], 1e-3)
+
+
+def test_highest_attention_counts_identical_keys_once_and_beta_carries_the_copies() -> None:
+    g = torch.Generator().manual_seed(1)
+    unique_k = torch.randn(5, D, generator=g, dtype=torch.float64)
+    unique_v = torch.randn(5, D, generator=g, dtype=torch.float64)
+    copies = torch.tensor([1, 3, 2, 4, 1])
+    k, v = unique_k.repeat_interleave(copies, 0), unique_v.repeat_interleave(copies, 0)  # a context that repeats
+    q = torch.randn(300, D, generator=g, dtype=torch.float64)
+    b = block(q, k, v, SCALE, torch.float64)
+    assert b.copies.tolist() == [1, 3, 0, 0, 2, 0, 4, 0, 0, 0, 1]
+    idx = highest_attention_keys(b, 5)
+    assert len({tuple(row) for row in k[idx].tolist()}) == 5  # one slot per distinct key, none wasted
+    assert len(highest_attention_keys(b, 8)) == 5  # never more than the distinct keys
+    beta = fit_beta(b, idx)
+    assert torch.exp(beta).round().int().tolist() == copies.tolist()
+    values = fit_values(b, q, k[idx], beta, SCALE)
+    held_out = torch.randn(50, D, generator=g, dtype=torch.float64)
+    errors = reconstruction_errors(held_out, k, v, Compacted(idx, k[idx], beta, values), SCALE)
+    assert errors["output_rel_l2"] < 1e-5 and errors["mass_rel"] < 1e-5

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from kvresearch.cache import ragged_attention_enabled
-from kvresearch.generation import build_prompt
+from kvresearch.errors import KVResearchError
 from kvresearch.methods.attention_matching import AttentionMatching
-from kvresearch.methods.base import Session
-from kvresearch.models import ModelAdapter
+from kvresearch.models import ModelAdapter, Session
+from kvresearch.models.cache import ragged_attention_enabled
 from kvresearch.models.hooks import attention_inputs
 from kvresearch.ops import am
-from kvresearch.runs import CONF_DIR
+from kvresearch.prompts import build_prompt
+from kvresearch.runs import build
+from tests.helpers import method_config
 
 
 @pytest.mark.parametrize("keys", ["highest", "omp"])
@@ -27,7 +26,8 @@ def test_compacted_cache_reproduces_the_solver_in_a_forward_pass(tiny, keys) -> 
     assert cache.get_seq_length() == n
     assert cache.stats()["prune_ratio"] == pytest.approx(0.75, abs=0.01)
     assert {"queries_s", "keys_s", "beta_s", "values_s"} <= set(method.timings)
-    assert 0 <= method.report["heldout_output_rel_l2"] < 1 and len(method.report["per_layer_head"]) == 3 * 2
+    report = method.report()
+    assert 0 <= report["heldout_output_rel_l2"] < 1 and len(report["per_layer_head"]) == 3 * 2
 
     # One new token through the compacted cache; layer 0's attention output must equal the formula
     # softmax([q C_k^T s + beta ; q k_new s]) [C_v ; v_new], built here from the cache's own entries.
@@ -63,9 +63,9 @@ def test_ablations_and_bad_arguments(tiny) -> None:
     )
     layer = cache.ragged[1]
     assert bool((layer.bias[layer.head_rows(0)] == 0).all())
-    with pytest.raises(ValueError, match="keep_ratio"):
+    with pytest.raises(KVResearchError, match="keep_ratio"):
         AttentionMatching(keep_ratio=0.0)
-    with pytest.raises(ValueError, match="query sources"):
+    with pytest.raises(KVResearchError, match="query sources"):
         AttentionMatching(keep_ratio=0.1, queries=["self_study"])
 
 
@@ -80,8 +80,8 @@ def test_ablations_and_bad_arguments(tiny) -> None:
     ],
 )
 def test_method_configs_build_the_papers_variants(name, keys, bounds, fits) -> None:
-    method = instantiate(OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml"))
-    assert method.name == name and method.keys == keys and method.beta_bounds == bounds
-    assert method.fit_beta == method.fit_values == fits and method.work_dtype == torch.float32
+    method = build(method_config(name))
+    assert method.name == name and method.keys == keys and method.bounds == bounds
+    assert method.fit_beta == method.fit_values == fits and method.work == torch.float32
     if name == "am_omp_fast":
         assert method.omp["keys_per_step"] == 4 and method.omp["refit_every"] == 2

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvresearch.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
+from kvresearch.models.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
 from kvresearch.ops.attention import _fresh_prefill_rows, dense_reference, ragged_attention
-from tests.test_models import tiny_family
+from tests.helpers import tiny_family
 
 
 def packed(keys, values, bias, pos):

@@ -96,7 +96,8 @@ def test_shards_round_trip_and_hold_whole_documents(tmp_path: Path) -> None:
     write_docs(tmp_path, 5, rows_per_shard=8)
     metas = finished_shards(tmp_path, full=True)
     assert [m["documents"] for m in metas] == [[0, 1], [2, 3], [4]]
-    shard = open_shard(tmp_path / "shard-00001")
+    assert [m["name"] for m in metas] == ["shard-00000", "shard-00002", "shard-00004"]  # named by first document
+    shard = open_shard(tmp_path / "shard-00002", full=True)
     assert isinstance(shard.hidden, np.memmap) and shard.hidden.shape == (10, 3, 8)
     assert shard.scores.dtype == np.float32 and shard.scores.shape == (10, 3, 2)
     assert shard.doc.tolist() == [2] * 5 + [3] * 5 and shard.pos[:5].tolist() == [0, 3, 6, 9, 12]
@@ -111,8 +112,10 @@ def test_damaged_shards_are_detected(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".tmp-*"))
     hidden = tmp_path / "shard-00001" / "hidden.npy"
     hidden.write_bytes(hidden.read_bytes()[:-10])
-    with pytest.raises(KVResearchError, match=r"shard-00001: hidden.npy has .* bytes.*Delete"):
+    with pytest.raises(KVResearchError, match=r"shard-00001: hidden.npy has .* bytes.*Re-run extract"):
         finished_shards(tmp_path)
+    assert [m["name"] for m in finished_shards(tmp_path, repair=True)] == ["shard-00000", "shard-00002"]
+    assert not (tmp_path / "shard-00001").exists()  # removed, so that its documents are redone
     (tmp_path / "shard-00002" / "shard.json").unlink()
     with pytest.raises(KVResearchError, match=r"shard-00002 has no shard\.json"):
         check_shard(tmp_path / "shard-00002")

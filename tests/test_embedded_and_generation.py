@@ -9,8 +9,9 @@ import torch
 
 from kvresearch.benchmarks.needle import needle_sample
 from kvresearch.errors import KVResearchError
-from kvresearch.generation import build_prompt, eos_ids, greedy, prefill
-from kvresearch.models import embedded
+from kvresearch.models import ModelAdapter, Session, embedded
+from kvresearch.models.session import dense_answer
+from kvresearch.prompts import build_prompt
 
 
 def test_conversion_failure_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,9 +48,13 @@ def test_missing_package_is_a_clear_error() -> None:
 
 def test_greedy_over_explicit_cache_equals_generate(tiny) -> None:
     model, tok = tiny.model, tiny.tokenizer
+    session = Session(ModelAdapter(model), tok)
     prompt = build_prompt(tok, "alpha beta gamma " * 20, "What comes next?", " It is")
-    eos = eos_ids(model, tok)
-    ours = greedy(model, prefill(model, prompt.context_ids), prompt.question_ids, 16, eos)
+    eos = session.eos_ids()
+    ours = dense_answer(session, prompt, 16).token_ids
+    ragged = session.new_cache()
+    session.ragged_prefill(prompt.context_ids, ragged)
+    assert session.answer(ragged, prompt.question_ids, 16)[0] == ours  # the ragged cache answers the same
     ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
     ref = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=list(eos), pad_token_id=2)
     expected = ref[0, ids.shape[1] :].tolist()
@@ -70,13 +75,7 @@ def test_needle_sample_holds_its_needle_near_the_token_target(tiny) -> None:
 @pytest.mark.slow
 def test_smollm2_answers_a_chat_question(smol) -> None:
     prompt = build_prompt(smol.tokenizer, "What is the capital of France?", "")
-    tokens = greedy(
-        smol.model,
-        prefill(smol.model, prompt.context_ids),
-        prompt.question_ids,
-        20,
-        eos_ids(smol.model, smol.tokenizer),
-    )
+    tokens = dense_answer(Session(ModelAdapter(smol.model), smol.tokenizer), prompt, 20).token_ids
     assert "Paris" in smol.tokenizer.decode(tokens)
 
 
@@ -84,7 +83,7 @@ def test_smollm2_answers_a_chat_question(smol) -> None:
 def test_smollm2_retrieves_a_needle_from_1k_haystack(tmp_path: Path) -> None:
     from kvresearch.runs import execute
     from kvresearch.stages.needle import run
-    from tests.conftest import compose_stage
+    from tests.helpers import compose_stage
 
     cfg = compose_stage("needle", tmp_path, ["needle.context_tokens=1024", "needle.depths=[0.3,0.7]"])
     metrics = execute(cfg, run)

@@ -1,4 +1,4 @@
-"""The evaluate stage on the tiny model: predictions, metrics, resume, KVzap from an exported surrogate, tables."""
+"""The evaluate stage on the tiny model: predictions, resume, full-cache references by path, tables, bad inputs."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+import pytest
 
+from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
 from kvresearch.runs import CONF_DIR, execute
 from kvresearch.stages.evaluate import run
-from kvresearch.surrogate import Surrogate, SurrogateConfig
-from tests.conftest import compose_stage
+from tests.helpers import compose_stage, surrogate_run
 
 SMALL = [
     "model=tiny_random",
@@ -21,50 +21,58 @@ SMALL = [
     "benchmark.samples_per_task=1",
     "benchmark.tasks=[niah_single_1,fwe]",
     "evaluate.max_samples=2",
+    "evaluate.max_new_tokens=8",
 ]
 
 
-def test_evaluate_full_cache_writes_predictions_and_resumes(tmp_path: Path) -> None:
-    cfg = compose_stage("evaluate", tmp_path / "run", [*SMALL, f"out_root={tmp_path}"])
-    metrics = execute(cfg, run)
+def evaluate(root: Path, *overrides: str, out_dir: Path | None = None) -> dict:
+    """One evaluate run under ``root`` (its folder named from the overrides, as Hydra names it)."""
+    return execute(compose_stage("evaluate", out_dir, [*SMALL, f"paths.root={root}", *overrides]), run)
+
+
+def lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_full_cache_writes_predictions_and_resumes_keeping_every_valid_line(tmp_path: Path) -> None:
+    metrics = evaluate(tmp_path, "method=full")
+    folder = tmp_path / "evaluate" / metrics["run"]["name"]
     assert set(metrics["tasks"]) == {"niah_single_1@1024", "fwe@1024"}
     assert metrics["overall"]["prune_ratio"] == 0.0 and metrics["overall"]["agreement"] == 1.0
-    lines = (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and json.loads(lines[0])["id"] == "niah_single_1@1024#0"
-    # A killed run: the last line is torn; the re-run keeps the first and redoes the second.
-    (tmp_path / "run" / "predictions.jsonl").write_text(lines[0] + "\n" + lines[1][:20])
-    (tmp_path / "run" / "DONE").unlink()
-    again = execute(cfg, run)
-    assert [json.loads(x)["id"] for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()] == [
-        "niah_single_1@1024#0",
-        "fwe@1024#0",
-    ]
-    assert again["overall"]["samples"] == 2
+    assert metrics["full_answers_from"] == {"self": 2} and metrics["method"]["class"] == "FullCache"
+    first, second = lines(folder)
+    assert first["id"] == "niah_single_1@1024#0" and first["group"] == "niah_single_1@1024"
+    # Damage: a junk first line, the valid second line, a torn copy of the first record.
+    (folder / "predictions.jsonl").write_text("{}\n" + json.dumps(second) + "\n" + json.dumps(first)[:30])
+    (folder / "DONE").unlink()
+    again = evaluate(tmp_path, "method=full")
+    kept = lines(folder)
+    assert [r["id"] for r in kept] == ["fwe@1024#0", "niah_single_1@1024#0"]  # valid line kept, the lost one redone
+    assert kept[1]["prediction"] == first["prediction"] and again["overall"]["samples"] == 2
 
 
-def test_evaluate_kvzap_from_an_exported_surrogate_and_make_tables(tmp_path: Path, tiny) -> None:
+def test_kvzap_takes_full_answers_from_the_sibling_full_run_and_tables_read_the_runs(tmp_path: Path, tiny) -> None:
     adapter = ModelAdapter(tiny.model)
-    torch.manual_seed(0)
-    Surrogate(
-        SurrogateConfig("mlp", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, model="tiny_random")
-    ).save(tmp_path / "surrogate")
-    cfg = compose_stage(
-        "evaluate",
-        tmp_path / "evaluate" / "kvzap",
-        [
-            *SMALL,
-            f"out_root={tmp_path}",
-            "method=kvzap_mlp",
-            f"method.surrogate_path={tmp_path / 'surrogate'}",
-            "method.threshold=0.0",
-            "method.window=16",
-        ],
+    surrogate_run(
+        tmp_path / "train_surrogate" / "planted", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads
     )
-    metrics = execute(cfg, run)
-    assert metrics["method"] == "kvzap_mlp" and 0.0 < metrics["overall"]["prune_ratio"] < 1.0
-    assert metrics["overall"]["full_answer_nll"] is not None and metrics["threshold"] == 0.0
-    full = compose_stage("evaluate", tmp_path / "evaluate" / "full", [*SMALL, f"out_root={tmp_path}"])
-    execute(full, run)
+    kvzap = [
+        "method=kvzap_mlp",
+        "paths.surrogate_mlp=train_surrogate/planted",
+        "method.threshold=0.0",
+        "method.window=16",
+    ]
+    alone = evaluate(tmp_path / "alone", *kvzap, "paths.surrogate_mlp=" + str(tmp_path / "train_surrogate/planted"))
+    assert alone["full_answers_from"] == {"computed": 2} and alone["reference_run"] == ""
+    full = evaluate(tmp_path, "method=full")
+    metrics = evaluate(tmp_path, *kvzap)
+    assert metrics["reference_run"] == str(tmp_path / "evaluate" / full["run"]["name"])
+    assert metrics["full_answers_from"] == {"reference_run": 2}
+    assert metrics["method"]["name"] == "kvzap_mlp" and metrics["method"]["budget"] == "tau=0"
+    assert metrics["method"]["surrogate"]["run"] == str(tmp_path / "train_surrogate" / "planted")
+    assert 0.0 < metrics["overall"]["prune_ratio"] < 1.0
+    for key in ("agreement", "full_answer_nll", "prune_ratio", "score"):  # same numbers whatever the source
+        assert metrics["overall"][key] == pytest.approx(alone["overall"][key], rel=1e-9), key
     result = subprocess.run(
         [sys.executable, "scripts/make_tables.py", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
         cwd=CONF_DIR.parent,
@@ -78,15 +86,35 @@ def test_evaluate_kvzap_from_an_exported_surrogate_and_make_tables(tmp_path: Pat
     assert (tmp_path / "t" / "ruler_curve.png").stat().st_size > 1000
 
 
-def test_evaluate_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> None:
-    cfg = compose_stage(
-        "evaluate",
-        tmp_path / "run",
-        [*SMALL, f"out_root={tmp_path}", "method=am_omp_fast", "method.keep_ratio=0.25", "method.max_queries=256"],
-    )
-    metrics = execute(cfg, run)
-    assert metrics["method"] == "am_omp_fast" and abs(metrics["overall"]["prune_ratio"] - 0.75) < 0.02
-    record = json.loads((tmp_path / "run" / "predictions.jsonl").read_text().splitlines()[0])
+def test_a_reference_run_made_under_other_settings_is_refused(tmp_path: Path) -> None:
+    full = evaluate(tmp_path, "method=full", "benchmark.seed=7")
+    with pytest.raises(KVResearchError, match=r"other settings \(benchmark\.seed: 7 there, 42 here\)"):
+        evaluate(tmp_path, "method=snapkv", f"evaluate.reference_run={full['run']['id']}")
+
+
+def test_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> None:
+    metrics = evaluate(tmp_path, "method=am_omp_fast", "method.keep_ratio=0.25", "method.max_queries=256")
+    assert metrics["method"]["name"] == "am_omp_fast" and abs(metrics["overall"]["prune_ratio"] - 0.75) < 0.02
+    record = lines(tmp_path / "evaluate" / metrics["run"]["name"])[0]
     report = record["method_report"]
     assert set(report["timings_s"]) == {"queries_s", "keys_s", "beta_s", "values_s"}
     assert 0.0 <= report["heldout_mass_rel"] < 1.0 and 0.0 <= report["heldout_output_rel_l2"] < 1.0
+
+
+def test_a_context_longer_than_the_model_is_refused_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(KVResearchError, match=r"would not fit model\.max_context=512: niah_single_1@1024#0 needs"):
+        evaluate(tmp_path, "method=full", "model.max_context=512")
+    assert not list((tmp_path / "evaluate").glob("*/predictions.jsonl"))
+
+
+def test_force_starts_over_and_damaged_metrics_beside_done_are_rebuilt(tmp_path: Path, capsys) -> None:
+    metrics = evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5")
+    folder = tmp_path / "evaluate" / metrics["run"]["name"]
+    (folder / "metrics.json").write_text('{"overall": {"sco')  # half-written, beside DONE
+    again = evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5")
+    out = capsys.readouterr().out
+    assert f"{folder / 'metrics.json'} is not valid JSON" in out and "Running the stage again" in out
+    assert again["overall"] == metrics["overall"] and len(lines(folder)) == 2  # resumed: nothing redone twice
+    (folder / "predictions.jsonl").write_text("")
+    forced = evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5", "force=true")
+    assert forced["overall"]["samples"] == 2 and len(lines(folder)) == 2

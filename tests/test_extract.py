@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvresearch.capture import oracle_scores, repeat_prompt
+from kvresearch.capture import oracle_scores
+from kvresearch.data.corpus import Document, load_corpus
 from kvresearch.data.shards import hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
+from kvresearch.extraction import cap_documents, sample_positions
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.models.hooks import attention_inputs
+from kvresearch.prompts import repeat_prompt
 from kvresearch.runs import execute
-from kvresearch.stages.extract import load_documents, run, sample_positions
-from tests.conftest import compose_stage
+from kvresearch.stages.extract import run, verify
+from tests.helpers import compose_stage
 
 SHORT = [
     "corpus.min_tokens=60",
@@ -37,7 +40,7 @@ def test_sample_positions_are_sorted_unique_and_reproducible() -> None:
 
 
 @pytest.mark.slow
-def test_extract_end_to_end_resumes_and_detects_damage(tmp_path: Path) -> None:
+def test_extract_end_to_end_stores_the_oracle_targets_of_the_embedded_model(tmp_path: Path) -> None:
     cfg = compose_stage("extract", tmp_path / "run", SHORT)
     metrics = execute(cfg, run)
     out = tmp_path / "run"
@@ -52,7 +55,7 @@ def test_extract_end_to_end_resumes_and_detects_damage(tmp_path: Path) -> None:
     # The stored rows are log KVzip+ and h of that document at those positions, recomputed independently.
     loaded = load_model(cfg.model)
     adapter, tok = ModelAdapter(loaded.model), loaded.tokenizer
-    doc = load_documents(cfg, tok)[0][1]
+    doc = load_corpus(cfg.corpus, tok, cfg.seed)[0][1]
     inputs: dict[int, torch.Tensor] = {}
     prompt = repeat_prompt(tok, tok(doc.text, add_special_tokens=False).input_ids)
     with attention_inputs(adapter, inputs):
@@ -62,24 +65,47 @@ def test_extract_end_to_end_resumes_and_detects_damage(tmp_path: Path) -> None:
         np.testing.assert_allclose(shard.scores[:, layer], layers[layer].kvzip_plus[:, pos].T.log().numpy(), rtol=1e-4)
         h = hidden_from_numpy(shard.hidden[:, layer], "bfloat16").float()
         torch.testing.assert_close(h, inputs[layer][0, prompt.context.start + pos].bfloat16().float())
-    before = np.array(shard.scores)
-
-    # Resume: lose the last shard and DONE; only that document is redone, identically.
-    shutil.rmtree(out / "shards" / "shard-00001")
-    (out / "DONE").unlink()
-    again = execute(cfg, run)
-    assert again["extracted_this_run"] == 1 and again["samples"] == 120
-    np.testing.assert_allclose(open_shard(out / "shards" / "shard-00003").scores, before, rtol=1e-5)
-
-    # A damaged shard stops the run with its path.
-    (out / "DONE").unlink()
-    hidden = out / "shards" / "shard-00000" / "hidden.npy"
-    hidden.write_bytes(hidden.read_bytes()[:100])
-    with pytest.raises(KVResearchError, match="shard-00000"):
-        execute(cfg, run)
 
 
 def test_extract_refuses_documents_longer_than_the_model(tmp_path: Path) -> None:
     cfg = compose_stage("extract", tmp_path, [*SHORT, "model=tiny_random", "model.max_context=100"])
     with pytest.raises(KVResearchError, match=r"lower corpus\.min_tokens"):
         execute(cfg, run)
+
+
+def test_cap_documents_keeps_test_and_train_in_proportion_taking_sources_in_turn() -> None:
+    docs = [Document(f"{src}/{split}/{i}", src, split, "x", 1) for split, n in (("test", 4), ("train", 16))
+            for src in ("a", "b") for i in range(n // 2)]  # fmt: skip
+    capped = cap_documents(docs, 5)
+    assert [(d.split, d.source) for d in capped] == [("test", "a"), ("train", "a"), ("train", "b"), ("train", "a"),
+                                                     ("train", "b")]  # fmt: skip
+    assert cap_documents(docs, None) == docs and cap_documents(docs, 100) == docs
+
+
+TINY = [*SHORT, "model=tiny_random", "extract.max_docs=4", "corpus.n_test_per_source=1"]
+
+
+def shard_bytes(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "shards").rglob("*")) if p.is_file()}
+
+
+def test_re_running_a_finished_extract_repairs_missing_and_damaged_shards_identically(tmp_path: Path) -> None:
+    cfg = compose_stage("extract", tmp_path / "run", TINY)
+    first = execute(cfg, run)
+    out = tmp_path / "run"
+    assert first["documents_done"] == 4 and first["shards"] == 4
+    names = sorted(p.name for p in (out / "shards").iterdir())
+    assert names == [f"shard-{i:05d}" for i in range(4)]  # named by their first document
+    original, manifest = shard_bytes(out), (out / "manifest.json").read_text()
+    shutil.rmtree(out / "shards" / "shard-00001")  # lost
+    hidden = out / "shards" / "shard-00002" / "hidden.npy"
+    damaged = bytearray(hidden.read_bytes())
+    damaged[-64:] = b"\xff" * 64  # same size: only the checksum tells
+    hidden.write_bytes(bytes(damaged))
+    with pytest.raises(KVResearchError, match=r"shard-00001 is missing|shard-00002: hidden\.npy fails its checksum"):
+        verify(out)
+    again = execute(cfg, run, verify)  # DONE, but damaged: repaired without force (the stage's own check)
+    assert again["extracted_this_run"] == 2 and shard_bytes(out) == original
+    assert (out / "manifest.json").read_text() == manifest
+    verify(out)
+    assert execute(cfg, run, verify)["extracted_this_run"] == 2  # intact now: skipped (its metrics returned)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvresearch.cache import RaggedCache, ragged_attention_enabled
-from kvresearch.methods.kvzap import KVzap
+from kvresearch.methods.kvzap import ThresholdPruner
 from kvresearch.models import ModelAdapter
+from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
 from kvresearch.models.hooks import attention_inputs
 from kvresearch.surrogate import Surrogate, SurrogateConfig
 
@@ -56,7 +56,7 @@ def threshold_between(scores, quantile: float) -> float:
 
 def test_single_pass_prefill_evicts_exactly_the_low_scores_outside_the_window(setup) -> None:
     model, adapter, ids, surrogate, scores, tau = setup
-    cache, stats = prefill(model, adapter, KVzap(surrogate, tau, window=WINDOW), ids)
+    cache, stats = prefill(model, adapter, ThresholdPruner(surrogate, tau, window=WINDOW), ids)
     for index, layer in enumerate(cache.ragged):
         for h in range(adapter.num_kv_heads):
             s = scores[index][h]
@@ -71,7 +71,7 @@ def test_chunked_prefill_keeps_the_window_and_only_evicts_below_threshold(setup)
     inputs: dict[int, list[torch.Tensor]] = {}
     peak = []
 
-    pruner = KVzap(surrogate, tau, window=WINDOW)
+    pruner = ThresholdPruner(surrogate, tau, window=WINDOW)
     cache = RaggedCache(adapter.num_layers)
     with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
         for start in range(0, T, 50):
@@ -97,10 +97,10 @@ def test_chunked_prefill_keeps_the_window_and_only_evicts_below_threshold(setup)
 
 def test_a_threshold_that_evicts_everything_still_keeps_the_window(setup) -> None:
     model, adapter, ids, surrogate, _, _ = setup
-    cache, _ = prefill(model, adapter, KVzap(surrogate, float("inf"), window=WINDOW), ids)
+    cache, _ = prefill(model, adapter, ThresholdPruner(surrogate, float("inf"), window=WINDOW), ids)
     assert all(layer.kept_per_head().tolist() == [WINDOW, WINDOW] for layer in cache.ragged)
     # Decoding with the pruner attached keeps the cache at the window.
-    pruner = KVzap(surrogate, float("inf"), window=WINDOW, decoding=True)
+    pruner = ThresholdPruner(surrogate, float("inf"), window=WINDOW)
     with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
         for _ in range(10):
             model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
@@ -119,7 +119,7 @@ def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_p
     surrogate = random_surrogate(adapter, kind)
     scores = dense_scores(model, adapter, surrogate, ids)
     tau = threshold_between(scores, 0.4)
-    ours, _ = prefill(model, adapter, KVzap(surrogate, tau, window=WINDOW), ids)
+    ours, _ = prefill(model, adapter, ThresholdPruner(surrogate, tau, window=WINDOW), ids)
 
     to_kvpress(surrogate, tmp_path)
     from kvpress.presses.kvzap_press import KVzapModel
@@ -140,3 +140,21 @@ def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_p
         assert mine == theirs
         assert dense.layers[index].keys.shape[2] == T  # kvpress keeps every pair in memory
     assert ours.kv_bytes()["kept"] < 0.8 * ours.kv_bytes()["dense"]
+
+
+def test_kvpress_dms_with_our_surrogate_in_memory_evicts_the_same_pairs(setup) -> None:
+    from kvresearch.methods.baselines import kvzap_press
+    from kvresearch.models import Session
+    from kvresearch.models.presses import masked_pairs
+
+    model, adapter, ids, surrogate, _, tau = setup
+    ours, _ = prefill(model, adapter, ThresholdPruner(surrogate, tau, window=WINDOW), ids)
+    mine = {
+        (i, h, p)
+        for i, layer in enumerate(ours.ragged)
+        for h in range(adapter.num_kv_heads)
+        for p in set(range(T)) - set(layer.head_positions(h).tolist())
+    }
+    theirs, kept_bytes = masked_pairs(Session(adapter, None), ids, kvzap_press(surrogate, tau, WINDOW))
+    assert mine == theirs and len(mine) > 0
+    assert kept_bytes > ours.kv_bytes()["allocated"]  # kvpress keeps every pair in memory

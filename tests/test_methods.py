@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from transformers import DynamicCache
 
-from kvresearch.cache import ragged_attention_enabled
-from kvresearch.generation import build_prompt
-from kvresearch.methods.base import Session, cache_from_scores, dense_prefill
-from kvresearch.methods.kvzip import KVzipMethod
-from kvresearch.models import ModelAdapter
+from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import cache_from_scores
+from kvresearch.methods.kvzap import KVzap
+from kvresearch.methods.kvzip import KVzip
+from kvresearch.models import ModelAdapter, Session
+from kvresearch.models.cache import ragged_attention_enabled
 from kvresearch.ops.selection import keep_topk
-from kvresearch.runs import CONF_DIR
+from kvresearch.prompts import build_prompt
+from kvresearch.runs import build
+from tests.helpers import method_config, surrogate_run
 
 PRESSES = ["snapkv", "streaming_llm", "expected_attention", "tova", "knorm", "pyramidkv", "observed_attention"]
-
-
-def method_config(name: str, overrides: list[str] | None = None):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(f"method/{name}", overrides=[f"method.{o}" for o in overrides or []]).method
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +38,7 @@ def next_logits_ragged(session, cache, token=11):
 
 @pytest.mark.parametrize("name", PRESSES)
 def test_kvpress_baseline_with_real_eviction_matches_kvpress(name, session, prompt) -> None:
-    method = instantiate(method_config(name, ["press.compression_ratio=0.5"]))
+    method = build(method_config(name, ["keep_ratio=0.5"]))
     cache = method.compress(session, prompt)
     n = prompt.context_ids.shape[1]
     stats = cache.stats()
@@ -51,7 +47,8 @@ def test_kvpress_baseline_with_real_eviction_matches_kvpress(name, session, prom
     assert cache.get_seq_length() == n
     ours = next_logits_ragged(session, cache)
     # kvpress itself: the pressed DynamicCache, next token at the original position n.
-    press = instantiate(method_config(name, ["press.compression_ratio=0.5"])).press
+    press = build(method_config(name, ["keep_ratio=0.5"])).press
+    assert press.compression_ratio == 0.5
     model = session.model
     if name == "observed_attention":
         model.set_attn_implementation("eager")
@@ -87,7 +84,7 @@ def test_fixed_budget_scopes() -> None:
 
 
 def test_kvzip_oracle_method_keeps_the_head_and_the_budget(session, prompt) -> None:
-    method = KVzipMethod(plus=True, keep_ratio=0.4, scope="global", chunk_size=64)
+    method = KVzip(plus=True, keep_ratio=0.4, scope="global", chunk_size=64)
     cache = method.compress(session, prompt)
     stats = cache.stats()
     assert stats["prune_ratio"] == pytest.approx(0.6, abs=0.01)
@@ -98,7 +95,7 @@ def test_kvzip_oracle_method_keeps_the_head_and_the_budget(session, prompt) -> N
 
 
 def test_cache_from_scores_threshold_and_window(session, prompt) -> None:
-    dense = dense_prefill(session, prompt.context_ids)
+    dense = session.dense_prefill(prompt.context_ids)
     n = prompt.context_ids.shape[1]
     scores = [torch.arange(n, dtype=torch.float).expand(2, n) for _ in range(3)]
     cache = cache_from_scores(dense, scores, threshold=n - 20.0, window=5)
@@ -108,15 +105,10 @@ def test_cache_from_scores_threshold_and_window(session, prompt) -> None:
 
 
 def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:
-    from kvresearch.methods.kvzap import KVzapMethod
-    from kvresearch.surrogate import Surrogate, SurrogateConfig
-
     adapter = session.adapter
-    Surrogate(
-        SurrogateConfig("linear", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, model="tiny_random")
-    ).save(tmp_path)
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "linear")
     for scope in ("head", "layer", "global"):
-        method = KVzapMethod(str(tmp_path), keep_ratio=0.5, scope=scope, window=16, expect_model="tiny_random")
+        method = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.5, scope=scope, window=16)
         cache = method.compress(session, prompt)
         n = prompt.context_ids.shape[1]
         assert cache.stats()["prune_ratio"] == pytest.approx(0.5, abs=0.01)
@@ -125,17 +117,13 @@ def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt,
                 assert set(range(n - 16, n)) <= set(layer.head_positions(h).tolist())
 
 
-def test_kvpress_own_kvzap_config_with_our_export(session, prompt, tmp_path) -> None:
-    from kvresearch.surrogate import Surrogate, SurrogateConfig
-    from kvresearch.surrogate.export import to_kvpress
-
+def test_kvpress_own_kvzap_config_with_a_surrogate_run(session, prompt, tmp_path) -> None:
     adapter = session.adapter
-    torch.manual_seed(0)
-    to_kvpress(
-        Surrogate(SurrogateConfig("mlp", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)), tmp_path
+    surrogate_run(tmp_path / "run", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "mlp")
+    cfg = method_config(
+        "kvpress_kvzap", ["press.threshold=0.0", "press.window=16"], paths={"surrogate_mlp": str(tmp_path / "run")}
     )
-    cfg = method_config("kvpress_kvzap", [f"press.surrogate_path={tmp_path}", "press.threshold=0.0", "press.window=16"])
-    cache = instantiate(cfg).compress(session, prompt)
+    cache = build(cfg).compress(session, prompt)
     n = prompt.context_ids.shape[1]
     assert 0.0 < cache.stats()["prune_ratio"] < 1.0
     assert all(set(range(n - 16, n)) <= set(layer.head_positions(0).tolist()) for layer in cache.ragged)
@@ -146,6 +134,52 @@ def test_kvpress_own_kvzap_config_with_our_export(session, prompt, tmp_path) -> 
 def test_kvpress_own_kvzip_press_on_the_embedded_model(smol) -> None:
     sess = Session(ModelAdapter(smol.model), smol.tokenizer)
     prompt = build_prompt(smol.tokenizer, "The capital of France is Paris. " * 20, "What is the capital of France?")
-    cache = instantiate(method_config("kvpress_kvzip", ["press.compression_ratio=0.5"])).compress(sess, prompt)
+    cache = build(method_config("kvpress_kvzip", ["keep_ratio=0.5"])).compress(sess, prompt)
     assert cache.stats()["prune_ratio"] == pytest.approx(0.5, abs=0.02)
     assert cache.get_seq_length() == prompt.context_ids.shape[1]
+
+
+def test_kvzap_keep_ratio_zero_still_keeps_the_window(session, prompt, tmp_path) -> None:
+    adapter = session.adapter
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
+    n = prompt.context_ids.shape[1]
+    for scope in ("head", "layer", "global"):
+        cache = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.0, scope=scope, window=16).compress(
+            session, prompt
+        )
+        for layer in cache.ragged:
+            assert all(layer.head_positions(h).tolist() == list(range(n - 16, n)) for h in range(2))
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "message"),
+    [
+        ("snapkv", ["keep_ratio=1.5"], r"keep_ratio must lie in \[0, 1\]"),
+        ("am_omp", ["keep_ratio=-0.1"], r"keep_ratio must lie in \[0, 1\]"),
+        ("am_highest", ["keep_ratio=0.0"], r"keep_ratio must lie in \(0, 1\]"),
+        ("kvzap_mlp", ["keep_ratio=0.5", "threshold=-4"], r"set method\.threshold=null"),
+        ("kvzip_plus", ["keep_ratio=null"], r"exactly one of threshold and keep_ratio"),
+        ("full", ["keep_ratio=0.5"], r"method=full keeps every entry"),
+        ("kvpress_kvzap", ["keep_ratio=0.5"], r"takes no compression ratio"),
+        ("kvzap_linear", ["scope=layers", "keep_ratio=0.3"], r"scope must be one of"),
+    ],
+)
+def test_bad_method_options_fail_when_built_with_one_paragraph(name, overrides, message, tiny, tmp_path) -> None:
+    adapter = ModelAdapter(tiny.model)
+    for kind in ("mlp", "linear"):
+        surrogate_run(tmp_path / kind, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, kind)
+    paths = {"surrogate_mlp": str(tmp_path / "mlp"), "surrogate_linear": str(tmp_path / "linear")}
+    with pytest.raises(KVResearchError, match=message):
+        build(method_config(name, overrides, paths))
+
+
+def test_kvzap_refuses_a_surrogate_run_of_another_kind_or_model(tiny, tmp_path) -> None:
+    adapter = ModelAdapter(tiny.model)
+    surrogate_run(tmp_path / "lin", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "linear")
+    surrogate_run(tmp_path / "other", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "mlp", "qwen3_8b")
+    with pytest.raises(KVResearchError, match="trained a linear surrogate, but this method needs mlp"):
+        build(method_config("kvzap_mlp", paths={"surrogate_mlp": str(tmp_path / "lin")}))
+    with pytest.raises(KVResearchError, match="trained for model 'qwen3_8b', not 'tiny_random'"):
+        build(method_config("kvzap_mlp", paths={"surrogate_mlp": str(tmp_path / "other")}))
+    with pytest.raises(KVResearchError, match="No train_surrogate run 'nowhere'"):
+        build(method_config("kvzap_mlp", paths={"surrogate_mlp": "nowhere", "root": str(tmp_path)}))

@@ -8,37 +8,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
-from kvresearch.models.hooks import attention_calls, attention_inputs
+from kvresearch.models.hooks import after_attention, attention_calls, attention_inputs
 from kvresearch.models.load import build_random
-
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
-FAMILIES = {
-    "llama": dict(model_type="llama", **TINY),
-    "qwen2": dict(model_type="qwen2", **TINY),
-    "qwen3": dict(model_type="qwen3", **TINY),
-    "gemma3": dict(
-        model_type="gemma3_text",
-        sliding_window=8,
-        query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        **TINY,
-    ),
-}
-
-
-def tiny_family(family: str, attn: str = "sdpa") -> torch.nn.Module:
-    model = build_random({"config": FAMILIES[family], "seed": 0, "dtype": "float64"})
-    model.set_attn_implementation(attn)
-    return model.eval()
+from tests.helpers import FAMILIES, model_config, tiny_family
 
 
 def check_adapter_matches_attention(model: torch.nn.Module, ids: torch.Tensor) -> ModelAdapter:
@@ -77,13 +49,20 @@ def test_hooks_are_removed_after_the_block() -> None:
     model = tiny_family("llama")
     adapter = ModelAdapter(model)
     before = dict(ALL_ATTENTION_FUNCTIONS._global_mapping), dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    with attention_calls(adapter, lambda *a: None), attention_inputs(adapter, {}):
+    called: list[int] = []
+    with (
+        attention_calls(adapter, lambda *a: None),
+        attention_inputs(adapter, {}),
+        after_attention(adapter, called.append),
+    ):
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not before[0]["sdpa"]
+        model(torch.tensor([[1, 2, 3]]))
+    assert called == [0, 1, 2]
     assert (dict(ALL_ATTENTION_FUNCTIONS._global_mapping), dict(ALL_ATTENTION_FUNCTIONS._local_mapping)) == before
-    assert all(not layer.attn._forward_pre_hooks for layer in adapter.layers)
-    with pytest.raises(ZeroDivisionError), attention_inputs(adapter, {}):
+    assert all(not layer.attn._forward_pre_hooks and not layer.attn._forward_hooks for layer in adapter.layers)
+    with pytest.raises(ZeroDivisionError), attention_inputs(adapter, {}), after_attention(adapter, called.append):
         raise ZeroDivisionError
-    assert all(not layer.attn._forward_pre_hooks for layer in adapter.layers)
+    assert all(not layer.attn._forward_pre_hooks and not layer.attn._forward_hooks for layer in adapter.layers)
 
 
 def test_output_weight_splits_o_proj_by_query_head() -> None:
@@ -106,7 +85,6 @@ def test_tiny_random_is_seeded_gqa_llama(tiny) -> None:
     adapter = ModelAdapter(tiny.model)
     assert (adapter.family, adapter.num_heads, adapter.num_kv_heads, adapter.num_layers) == ("llama", 4, 2, 3)
     from kvresearch.models import load_model
-    from tests.conftest import model_config
 
     again = load_model(model_config("tiny_random"))
     for a, b in zip(tiny.model.parameters(), again.model.parameters(), strict=True):

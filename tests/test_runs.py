@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvresearch.runs import CONF_DIR, execute, run_name, write_atomic
-from tests.conftest import compose_stage
+from kvresearch.errors import KVResearchError
+from kvresearch.runs import CONF_DIR, execute, resolve_run, run_id, run_name, write_atomic
+from tests.helpers import compose_stage
 
 REPO = CONF_DIR.parent
 
@@ -33,9 +34,10 @@ def test_execute_writes_artefacts_then_done_and_skips(tmp_path: Path) -> None:
     assert versions["packages"]["torch"] and "commit" in versions["git"]
     assert (out / "DONE").is_file()
     assert execute(cfg, stage)["score"] == 1.0 and len(calls) == 1  # skipped
+    (out / "leftover.bin").write_text("from the first run")
     cfg.force = True
     execute(cfg, stage)
-    assert len(calls) == 2
+    assert len(calls) == 2 and not (out / "leftover.bin").exists()  # force starts over in an emptied folder
 
 
 def test_failed_stage_leaves_no_done_and_no_metrics(tmp_path: Path) -> None:
@@ -108,18 +110,103 @@ def test_hydra_multirun_writes_one_folder_per_job_and_skips_on_rerun(tmp_path: P
     assert second.returncode == 0 and second.stdout.count("skipping") == 2, second.stdout
 
 
-def test_uncached_hub_model_fails_fast_with_one_paragraph(tmp_path: Path) -> None:
-    import time
-
-    start = time.perf_counter()
+def test_uncached_hub_model_fails_with_one_paragraph(tmp_path: Path) -> None:
     result = _stage_cli(
         ["model=qwen3_8b"],
         {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "KVRESEARCH_OUTPUTS": str(tmp_path)},
-        timeout=60,
+        timeout=120,
     )
-    elapsed = time.perf_counter() - start
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("error: The model 'Qwen/Qwen3-8B' is not in the local Hugging Face cache")
     assert "hf download Qwen/Qwen3-8B" in result.stderr
-    assert elapsed < 10, elapsed
+
+
+def test_hub_check_makes_at_most_one_connection_attempt_and_none_offline(monkeypatch, tmp_path: Path) -> None:
+    import socket
+
+    from kvresearch.models import hub
+
+    attempts: list[tuple] = []
+
+    def refuse(address, timeout=None):
+        attempts.append(address)
+        raise OSError("unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KVResearchError, match="HF_HUB_OFFLINE is set"):
+        hub.ensure_available("Qwen/Qwen3-8B")
+    assert attempts == []  # offline: no network at all
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(KVResearchError, match="cannot be reached"):
+        hub.ensure_available("Qwen/Qwen3-8B")
+    assert len(attempts) == 1  # one attempt, no retries
+
+
+def test_runs_are_referenced_by_folder_or_id_and_must_be_finished(tmp_path: Path) -> None:
+    done = tmp_path / "train_surrogate" / "surrogate.lr=0.001,surrogate=mlp"
+    done.mkdir(parents=True)
+    (done / "DONE").write_text("")
+    unfinished = tmp_path / "train_surrogate" / "surrogate=linear"
+    unfinished.mkdir()
+    rid = run_id(done)
+    assert len(rid) == 8 and rid == run_id(done)
+    assert resolve_run(rid, "train_surrogate", tmp_path) == done.resolve()
+    assert (
+        resolve_run("train_surrogate/surrogate.lr=0.001,surrogate=mlp", "train_surrogate", tmp_path) == done.resolve()
+    )
+    assert resolve_run(str(done), "train_surrogate", tmp_path) == done.resolve()
+    with pytest.raises(KVResearchError, match=r"not finished \(no DONE\)"):
+        resolve_run("train_surrogate/surrogate=linear", "train_surrogate", tmp_path)
+    with pytest.raises(KVResearchError, match=rf"No train_surrogate run 'ffffffff'.*surrogate=mlp \(id {rid}\)"):
+        resolve_run("ffffffff", "train_surrogate", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_id_hands_a_folder_with_equals_and_commas_to_hydra_without_quoting(tmp_path: Path) -> None:
+    """The folder name of a run holds `=` and `,`, which Hydra's parser refuses unquoted; its id does not."""
+    extract = tmp_path / "extract" / "corpus.max_tokens=900,model=tiny_random"
+    extract.mkdir(parents=True)
+    (extract / "DONE").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvresearch.stages.train_surrogate", f"paths.extract={run_id(extract)}"],
+        cwd=REPO,
+        env={**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{extract / 'manifest.json'} is missing" in result.stderr  # the id found the run; it has no manifest
+
+
+@pytest.mark.slow
+def test_a_sweep_goes_on_past_a_bad_run_and_reports_it_at_the_end(tmp_path: Path) -> None:
+    args = ["-m", "model=tiny_random", "needle.depths=[0.5]", "needle.context_tokens=128,9000,192"]
+    result = _stage_cli(args, {"KVRESEARCH_OUTPUTS": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    finished = sorted(p.parent.name for p in (tmp_path / "needle").glob("*/DONE"))
+    assert finished == [
+        "model=tiny_random,needle.context_tokens=128,needle.depths=[0.5]",
+        "model=tiny_random,needle.context_tokens=192,needle.depths=[0.5]",
+    ]
+    report = result.stderr.split("run(s) of this sweep failed:")[1]
+    assert "needle.context_tokens=9000" in report and "over model.max_context=4096" in report
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_bad_method_option_fails_in_one_paragraph_before_the_model_loads(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvresearch.stages.evaluate", "model=qwen3_8b", "method=snapkv", "method.keep_ratio=2"],
+        cwd=REPO,
+        env={**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    # The hub model is absent: had it been loaded first, the error would be about the model.
+    assert result.stderr.startswith("error: method snapkv: keep_ratio must lie in [0, 1]"), result.stderr

@@ -6,16 +6,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvresearch.capture import (
-    chunked_oracle_scores,
-    oracle_scores,
-    repeat_prompt,
-    template_pieces,
-)
+from kvresearch.capture import chunked_oracle_scores, oracle_scores
 from kvresearch.models import ModelAdapter
 from kvresearch.models.hooks import attention_inputs
 from kvresearch.ops.scores import kvzip_scores, value_output_norms
-from tests.test_models import tiny_family
+from kvresearch.prompts import repeat_prompt, template_pieces
+from tests.helpers import tiny_family
 
 
 def brute_force(q, k, v, h_norm, w_o, scaling, q_pos, k_pos, cols, window=None):

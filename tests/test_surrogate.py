@@ -15,7 +15,6 @@ import torch
 from sklearn.linear_model import Ridge
 from sklearn.metrics import r2_score
 
-from kvresearch.data.shards import ShardWriter
 from kvresearch.errors import KVResearchError
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.runs import CONF_DIR, execute
@@ -24,37 +23,20 @@ from kvresearch.surrogate import Surrogate, SurrogateConfig
 from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.export import to_kvpress
 from kvresearch.surrogate.metrics import fit_metrics
-from tests.conftest import compose_stage
+from tests import helpers
+from tests.helpers import compose_stage
 
 LAYERS, D, HEADS = 3, 32, 2
 
 
-def synthetic_extract(
-    folder: Path, teacher: Callable[[torch.Tensor], torch.Tensor], n_docs: int = 40, rows: int = 500, seed: int = 0
-) -> None:
-    """An extract run folder whose targets are ``teacher(h)`` exactly (on the bf16-rounded h)."""
-    writer = ShardWriter(folder / "shards", "bfloat16", rows_per_shard=4000)
-    g = torch.Generator().manual_seed(seed)
-    documents = []
-    for i in range(n_docs):
-        h = torch.randn(rows, LAYERS, D, generator=g).bfloat16().float()
-        with torch.no_grad():
-            y = teacher(h)
-        writer.add(i, torch.arange(rows), h, y)
-        split = "test" if i % 8 == 0 else "train"
-        documents.append(
-            {"index": i, "doc_id": f"d{i}", "source": "synthetic", "split": split, "n_tokens": rows, "status": "done"}
-        )
-    writer.flush()
-    shards = [json.loads((p / "shard.json").read_text()) for p in sorted((folder / "shards").glob("shard-*"))]
-    manifest = {
-        "model": "synthetic",
-        "layout": {"layers": LAYERS, "hidden": D, "kv_heads": HEADS, "hidden_dtype": "bfloat16"},
-        "documents": documents,
-        "shards": [{"name": f"shard-{m['index']:05d}", "rows": m["rows"], "documents": m["documents"]} for m in shards],
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    (folder / "DONE").write_text("")
+def synthetic_extract(folder: Path, teacher: Callable[[torch.Tensor], torch.Tensor], **kwargs) -> dict:
+    """An extract run of LAYERS x D hidden states whose targets are ``teacher(h)`` exactly."""
+    return helpers.synthetic_extract(folder, teacher, LAYERS, D, HEADS, **kwargs)
+
+
+def train(folder: Path, extract: Path, *overrides: str) -> dict:
+    """The train_surrogate stage on the extract run ``extract``, in ``folder``."""
+    return execute(compose_stage("train_surrogate", folder, [f"paths.extract={extract}", *overrides]), run)
 
 
 def teacher(kind: str) -> Surrogate:
@@ -77,8 +59,9 @@ def planted(h: torch.Tensor) -> torch.Tensor:
 
 def test_mlp_learns_a_planted_function_through_the_stage(tmp_path: Path) -> None:
     synthetic_extract(tmp_path / "extract", planted, n_docs=24)
-    overrides = [f"extract_dir={tmp_path / 'extract'}", "surrogate=mlp", "surrogate.epochs=30", "surrogate.lr=1e-2"]
-    metrics = execute(compose_stage("train_surrogate", tmp_path / "train", overrides), run)
+    metrics = train(
+        tmp_path / "train", tmp_path / "extract", "surrogate=mlp", "surrogate.epochs=30", "surrogate.lr=1e-2"
+    )
     assert metrics["test"]["r2_mean"] > 0.99, metrics["test"]["r2_mean"]
     assert metrics["documents"] == {"train": 20, "val": 1, "test": 3}
     assert (tmp_path / "train" / "r2_per_layer.png").stat().st_size > 1000
@@ -89,10 +72,7 @@ def test_mlp_learns_a_planted_function_through_the_stage(tmp_path: Path) -> None
 
 def test_linear_ridge_through_the_stage_recovers_a_linear_map(tmp_path: Path) -> None:
     synthetic_extract(tmp_path / "extract", teacher("linear"), n_docs=16)
-    cfg = compose_stage(
-        "train_surrogate", tmp_path / "train", [f"extract_dir={tmp_path / 'extract'}", "surrogate=linear"]
-    )
-    metrics = execute(cfg, run)
+    metrics = train(tmp_path / "train", tmp_path / "extract", "surrogate=linear")
     assert metrics["fit"] == "ridge" and metrics["test"]["r2_mean"] > 0.999
 
 
@@ -148,6 +128,8 @@ def test_kvpress_loads_our_export_and_scores_the_same(kind: str, tmp_path: Path)
 def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(KVResearchError, match=r"No finished extract run at .*make extract"):
         ExtractRun(tmp_path / "missing")
+    with pytest.raises(KVResearchError, match=rf"No extract run '{tmp_path / 'missing'}' under"):
+        train(tmp_path / "t", tmp_path / "missing")
     synthetic_extract(tmp_path / "x", teacher("linear"), n_docs=2, rows=10)
     manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
     manifest["layout"]["hidden"] = 576
@@ -181,7 +163,7 @@ def test_hydra_multirun_over_surrogate_types(tmp_path: Path) -> None:
         "kvresearch.stages.train_surrogate",
         "-m",
         "surrogate=linear,mlp",
-        f"extract_dir={tmp_path / 'extract'}",
+        f"paths.extract={tmp_path / 'extract'}",
         "surrogate.epochs=2",
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=CONF_DIR.parent, timeout=600)

@@ -1,59 +1,105 @@
-"""Benchmark samples from config: RULER generated offline, or kvpress's RULER dataset from the hub.
+"""Samples from a benchmark config (``conf/benchmark/<name>.yaml``): one entry point per source kind.
 
-Every sample gets an ``id`` ("<task>@<length>#<index>") and a ``metric`` name.
+* ``generate``: the config's ``generator`` (a dotted path) makes the samples, e.g. RULER over packaged data;
+* ``hub``: rows of a Hugging Face dataset (``hub.path``, the length as config name where the benchmark has
+  lengths, ``hub.split``), turned into samples by the config's ``rows`` function;
+* ``files``: the same rows from local parquet or JSON Lines files (``files``: a folder of
+  ``<length>.parquet``, a path with ``{length}``, or one file), for users without the hub and for
+  tests of the hub schema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from kvresearch.benchmarks import ruler
+from hydra.utils import get_method
+
+from kvresearch.benchmarks.sample import Sample
 from kvresearch.errors import KVResearchError
 
-KVPRESS_RULER = "simonjegou/ruler"
+
+def _function(cfg: Mapping[str, Any], key: str) -> Callable[..., Any]:
+    if not cfg.get(key):
+        raise KVResearchError(f"benchmark '{cfg['name']}' (source={cfg['source']}) needs '{key}' in its config.")
+    return get_method(str(cfg[key]))
 
 
-def _hub_ruler(cfg: Mapping[str, Any], length: int) -> list[dict[str, Any]]:
+def _lengths(cfg: Mapping[str, Any]) -> list[int | None]:
+    return [int(n) for n in cfg["lengths"]] if cfg.get("lengths") else [None]
+
+
+def generated(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
+    """``source: generate``: the samples of the config's generator."""
+    return list(_function(cfg, "generator")(cfg, tokenizer))
+
+
+def from_hub(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
+    """``source: hub``: a Hugging Face dataset, one config per length where the benchmark has lengths."""
     from datasets import load_dataset
 
-    try:
-        if cfg.get("data_files"):
-            rows = load_dataset("parquet", data_files=str(cfg["data_files"]).format(length=length), split="train")
-        else:
-            rows = load_dataset(cfg.get("hub_name", KVPRESS_RULER), str(length), split="test")
-    except Exception as error:  # the hub raises many types; all mean the same here
+    hub = cfg.get("hub") or {}
+    samples: list[Sample] = []
+    for length in _lengths(cfg):
+        name = None if length is None else str(length)
+        try:
+            rows = load_dataset(str(hub["path"]), name, split=str(hub.get("split", "test")))
+        except Exception as error:  # the hub raises many types; all mean the same here
+            raise KVResearchError(
+                f"Could not load {hub.get('path')} ({name or 'default'}) from the Hugging Face hub "
+                f"({type(error).__name__}: {str(error)[:200]}). Offline, use a local copy "
+                f"(benchmark.source=files benchmark.files=<path with {{length}}>) or benchmark.source=generate "
+                "where the benchmark has a generator."
+            ) from error
+        samples += _function(cfg, "rows")(rows, cfg, length)
+    return samples
+
+
+def _local_file(cfg: Mapping[str, Any], length: int | None) -> Path:
+    """The file ``benchmark.files`` names for ``length``.
+
+    A path with ``{length}``, a folder holding ``<length>.parquet`` / ``<length>.jsonl``, or one file.
+    """
+    given = str(cfg.get("files") or "")
+    path = Path(given.format(length=length)) if "{length}" in given else Path(given)
+    if given and path.is_dir():
+        path = next(
+            (path / f"{length}{ext}" for ext in (".parquet", ".jsonl") if (path / f"{length}{ext}").is_file()), path
+        )
+    if not given or not path.is_file():
         raise KVResearchError(
-            f"Could not load kvpress's RULER ({cfg.get('hub_name', KVPRESS_RULER)}, {length}) from the hub "
-            f"({type(error).__name__}); offline, use benchmark.source=generate."
-        ) from error
-    return [dict(r) for r in rows]
+            f"benchmark.source=files needs benchmark.files: a folder with <length>.parquet or <length>.jsonl, a "
+            f"path with {{length}}, or one file; '{given}' gives no file for length {length}."
+        )
+    return path
 
 
-def load_samples(cfg: Mapping[str, Any], tokenizer: Any) -> list[dict[str, Any]]:
-    """Samples of ``cfg`` (conf/benchmark/*.yaml), each with id, task, metric and the kvpress fields."""
-    if cfg["name"] != "ruler":
-        raise KVResearchError(f"benchmark '{cfg['name']}' has no loader yet; available: ruler.")
-    tasks = list(cfg["tasks"])
-    unknown = sorted(set(tasks) - set(ruler.TASKS))
-    if unknown:
-        raise KVResearchError(f"Unknown RULER tasks {unknown}; choose from {sorted(ruler.TASKS)}.")
-    samples = []
-    for length in cfg["lengths"]:
-        if cfg.get("source", "generate") == "hub":
-            rows = [r for r in _hub_ruler(cfg, int(length)) if r["task"] in tasks]
-            per_task: dict[str, int] = {}
-            for row in rows:
-                i = per_task.get(row["task"], 0)
-                if i < int(cfg["samples_per_task"]):
-                    per_task[row["task"]] = i + 1
-                    answer = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
-                    samples.append({**row, "answer": list(answer), "id": f"{row['task']}@{length}#{i}"})
-        else:
-            for task in tasks:
-                for i in range(int(cfg["samples_per_task"])):
-                    sample = ruler.make_sample(task, tokenizer, int(length), int(cfg.get("seed", 42)), i)
-                    samples.append({**sample, "id": f"{task}@{length}#{i}"})
-    for sample in samples:
-        sample["metric"] = ruler.METRIC[ruler.TASKS[sample["task"]]["task"]]
+def from_files(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
+    """``source: files``: local parquet or JSON Lines files in the hub dataset's schema."""
+    from datasets import load_dataset
+
+    samples: list[Sample] = []
+    for length in _lengths(cfg):
+        path = _local_file(cfg, length)
+        rows = load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
+        samples += _function(cfg, "rows")(rows, cfg, length)
+    return samples
+
+
+SOURCES: dict[str, Callable[[Mapping[str, Any], Any], list[Sample]]] = {
+    "generate": generated,
+    "hub": from_hub,
+    "files": from_files,
+}
+
+
+def load_samples(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
+    """The samples a benchmark config describes."""
+    source = str(cfg.get("source"))
+    if source not in SOURCES:
+        raise KVResearchError(f"benchmark.source must be one of {sorted(SOURCES)}, got {source!r}.")
+    samples = SOURCES[source](cfg, tokenizer)
+    if not samples:
+        raise KVResearchError(f"benchmark '{cfg['name']}' ({source}) produced no samples: check its tasks and lengths.")
     return samples

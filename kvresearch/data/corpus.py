@@ -40,6 +40,8 @@ NEMOTRON_SUBSETS = (
 
 @dataclass(frozen=True)
 class Document:
+    """One training document and where it comes from."""
+
     doc_id: str  # unique and stable: "<source>/<split>/<index>" or the dataset's id
     source: str  # corpus part ("essays", "wiki", "bible", or a Nemotron subset)
     split: str  # "train" or "test"
@@ -189,3 +191,31 @@ def select(docs: list[Document], n_train_per_source: int, n_test_per_source: int
             rng.shuffle(pool)
             chosen.extend(pool[:cap])
     return chosen
+
+
+def load_corpus(cfg: Any, tokenizer: Any, seed: int) -> tuple[list[Document], dict[str, Any]]:
+    """The documents a corpus config (``conf/corpus/``) selects, and counts for the extract manifest."""
+    if cfg.name == "offline_english":
+        docs, stats = offline_english(tokenizer, cfg.min_tokens, cfg.max_tokens, cfg.test_fraction, seed)
+    elif cfg.name == "nemotron_sample":
+        docs, stats = nemotron_sample(
+            tokenizer,
+            cfg.min_tokens,
+            cfg.max_tokens,
+            cfg.n_train_per_source,
+            cfg.n_test_per_source,
+            cfg.subsets,
+            cfg.data_dir,
+        )
+    else:
+        raise KVResearchError(
+            f"Unknown corpus.name '{cfg.name}': use corpus=offline_english or corpus=nemotron_sample."
+        )
+    chosen = select(docs, cfg.n_train_per_source, cfg.n_test_per_source, seed)
+    summary = {
+        "available": stats.kept,
+        "skipped_empty": stats.skipped_empty,
+        "skipped_short": stats.skipped_short,
+        "skipped_long": stats.skipped_long,
+    }
+    return chosen, summary

@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvresearch.cache import RaggedCache
-from kvresearch.capture import repeat_prompt
-from kvresearch.methods.base import Session, dense_prefill
+from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import Method
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import attention_calls
+from kvresearch.models.session import Session
 from kvresearch.ops import am
-
-REPEAT_INSTRUCTION = "\n\nRepeat the previous context verbatim."
+from kvresearch.prompts import AM_REPEAT, Prompt, repeat_prompt
 
 # A query source returns, per layer, the queries (q_heads, n, d) it produced.
-QuerySource = Callable[[Session, Any, int], list[torch.Tensor]]
+QuerySource = Callable[[Session, Prompt, int], list[torch.Tensor]]
 
 
 def _capture_queries(session: Session, ids: torch.Tensor, rows: slice) -> list[torch.Tensor]:
@@ -48,17 +48,20 @@ def _capture_queries(session: Session, ids: torch.Tensor, rows: slice) -> list[t
     return [s for s in store if s is not None]
 
 
-def repeat_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+def repeat_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
+    """Queries of the teacher-forced repetition of the context."""
     context = prompt.context_ids[0, prompt.head_len :].tolist()
-    rp = repeat_prompt(session.tokenizer, context, instruction_text=REPEAT_INSTRUCTION)
+    rp = repeat_prompt(session.tokenizer, context, instruction_text=AM_REPEAT)
     return _capture_queries(session, rp.input_ids, rp.repeat)
 
 
-def context_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+def context_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
+    """Queries of the context tokens themselves."""
     return _capture_queries(session, prompt.context_ids, slice(0, prompt.context_ids.shape[1]))
 
 
-def random_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tensor]:
+def random_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
+    """Gaussian queries with the per-dimension scale of the context queries."""
     g = torch.Generator().manual_seed(seed)
     return [
         torch.randn(q.shape, generator=g, dtype=torch.float64) * q.std(dim=(0, 1), keepdim=True)
@@ -67,6 +70,7 @@ def random_queries(session: Session, prompt: Any, seed: int) -> list[torch.Tenso
 
 
 SOURCES: dict[str, QuerySource] = {"repeat": repeat_queries, "context": context_queries, "random": random_queries}
+WORK_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def pooled(q: torch.Tensor, kv_head: int, group: int, cap: int, seed: int) -> torch.Tensor:
@@ -77,54 +81,74 @@ def pooled(q: torch.Tensor, kv_head: int, group: int, cap: int, seed: int) -> to
     return x
 
 
-class AttentionMatching:
+@dataclass(kw_only=True)
+class AttentionMatching(Method):
     """AM-HighestAttnKeys(-fast) and AM-OMP(-fast) as a compression method."""
 
-    decoding = False
+    name: str = "am"
+    keep_ratio: float | None = 0.1
+    keys: str = "highest"  # key selection: highest | omp
+    queries: list[str] = field(default_factory=lambda: ["repeat"])  # reference query sources
+    max_queries: int = 50_000  # per KV head, seeded subsample above
+    fit_beta: bool = True
+    fit_values: bool = True
+    ridge: float = 0.0
+    reduce: str = "rms"  # key score over queries (highest): rms, max or mean
+    beta_bounds: list[float] | None = None  # [lower, upper] on w = exp(beta); None: the reference's
+    omp_keys_per_step: int = 1
+    omp_refit_every: int = 1
+    omp_drop_below: float | None = None
+    omp_progressive: float = 0.0  # > 0: add max(keys_per_step, progressive x chosen) keys per step
+    work_dtype: str = "float32"  # n x T products; targets and t x t solves are float64
+    holdout: float = 0.1  # share of reference queries held out for the reconstruction errors
+    seed: int = 0
+    timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _report: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
-    def __init__(
-        self,
-        keep_ratio: float,
-        keys: str = "highest",
-        queries: tuple[str, ...] | list[str] = ("repeat",),
-        max_queries: int = 50_000,
-        fit_beta: bool = True,
-        fit_values: bool = True,
-        ridge: float = 0.0,
-        reduce: str = "rms",
-        beta_bounds: tuple[float, float] | list[float] | None = None,
-        omp_keys_per_step: int = 1,
-        omp_refit_every: int = 1,
-        omp_drop_below: float | None = None,
-        omp_progressive: float = 0.0,
-        work_dtype: str = "float32",
-        holdout: float = 0.1,
-        seed: int = 0,
-        name: str = "am",
-    ):
-        if not 0 < keep_ratio <= 1:
-            raise ValueError(f"keep_ratio must lie in (0, 1], got {keep_ratio}")
-        if keys not in ("highest", "omp"):
-            raise ValueError(f"keys must be 'highest' or 'omp', got {keys!r}")
-        unknown = set(queries) - set(SOURCES)
-        if unknown:
-            raise ValueError(f"unknown query sources {sorted(unknown)}; available: {sorted(SOURCES)}")
-        if work_dtype not in ("float32", "float64"):
-            raise ValueError(f"work_dtype must be float32 or float64, got {work_dtype!r}")
-        self.keep_ratio, self.keys, self.queries, self.max_queries = keep_ratio, keys, list(queries), max_queries
-        self.fit_beta, self.fit_values, self.ridge, self.seed, self.name = fit_beta, fit_values, ridge, seed, name
-        self.reduce, self.work_dtype = reduce, getattr(torch, work_dtype)
-        default = am.OMP_BOUNDS if keys == "omp" else am.HIGHEST_BOUNDS  # the reference code's choices
-        self.beta_bounds = (float(beta_bounds[0]), float(beta_bounds[1])) if beta_bounds else default
-        self.omp: dict[str, Any] = {
-            "keys_per_step": omp_keys_per_step,
-            "refit_every": omp_refit_every,
-            "drop_below": omp_drop_below,
-            "progressive": omp_progressive,
+    def __post_init__(self) -> None:
+        """Check the options (ratio in (0, 1], known keys, query sources and dtype)."""
+        super().__post_init__()
+        problems = []
+        if self.keep_ratio is None or not 0 < self.keep_ratio <= 1:
+            problems.append(f"keep_ratio must lie in (0, 1], got {self.keep_ratio}")
+        if self.keys not in ("highest", "omp"):
+            problems.append(f"keys must be 'highest' or 'omp', got {self.keys!r}")
+        self.queries = list(self.queries)
+        unknown = set(self.queries) - set(SOURCES)
+        if unknown or not self.queries:
+            problems.append(f"unknown query sources {sorted(unknown)}; available: {sorted(SOURCES)}")
+        if self.work_dtype not in WORK_DTYPES:
+            problems.append(f"work_dtype must be float32 or float64, got {self.work_dtype!r}")
+        if self.reduce not in ("rms", "max", "mean"):
+            problems.append(f"reduce must be rms, max or mean, got {self.reduce!r}")
+        if not 0 <= self.holdout < 1:
+            problems.append(f"holdout must lie in [0, 1), got {self.holdout}")
+        if problems:
+            raise KVResearchError(f"method {self.name}: " + "; ".join(problems) + ".")
+        if self.beta_bounds is not None:
+            self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """Bounds on w = exp(beta): the configured ones, or the reference code's for the key selection."""
+        if self.beta_bounds:
+            return (self.beta_bounds[0], self.beta_bounds[1])
+        return am.OMP_BOUNDS if self.keys == "omp" else am.HIGHEST_BOUNDS
+
+    @property
+    def work(self) -> torch.dtype:
+        """The work dtype of the n x T products."""
+        return WORK_DTYPES[self.work_dtype]
+
+    @property
+    def omp(self) -> dict[str, Any]:
+        """Keyword arguments of ``am.omp_keys``."""
+        return {
+            "keys_per_step": self.omp_keys_per_step,
+            "refit_every": self.omp_refit_every,
+            "drop_below": self.omp_drop_below,
+            "progressive": self.omp_progressive,
         }
-        self.holdout = holdout  # share of each head's reference queries kept out of the fit, for the errors
-        self.timings: dict[str, float] = {}
-        self.report: dict[str, Any] = {}
 
     def _timed(self, step: str, start: float) -> float:
         now = time.perf_counter()
@@ -132,20 +156,20 @@ class AttentionMatching:
         return now
 
     def compact_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> am.Compacted:
-        """q (n, d) reference queries, k (T, d), v (T, dv) of one KV head -> round(keep_ratio * T) entries."""
-        t = max(1, round(self.keep_ratio * k.shape[0]))
+        """Q (n, d) reference queries, k (T, d), v (T, dv) of one KV head -> round(keep_ratio * T) entries."""
+        t = max(1, round(float(self.keep_ratio or 0.0) * k.shape[0]))
         start = time.perf_counter()
-        b = am.block(q, k, v, scaling, self.work_dtype)  # E and the targets, shared by every step
+        b = am.block(q, k, v, scaling, self.work)  # E and the targets, shared by every step
         beta: torch.Tensor | None = None
         if self.keys == "omp":
-            idx, beta = am.omp_keys(b, t, bounds=self.beta_bounds, **self.omp)
+            idx, beta = am.omp_keys(b, t, bounds=self.bounds, **self.omp)
         else:
             idx = am.highest_attention_keys(b, t, self.reduce)
         start = self._timed("keys_s", start)
         if not self.fit_beta:
             beta = torch.zeros(len(idx), dtype=torch.float64)
         elif beta is None:
-            beta = am.fit_beta(b, idx, self.beta_bounds)
+            beta = am.fit_beta(b, idx, self.bounds)
         start = self._timed("beta_s", start)
         ck = k[idx]
         values = am.fit_values(b, q, ck, beta, scaling, self.ridge) if self.fit_values else v[idx].to(torch.float64)
@@ -153,23 +177,22 @@ class AttentionMatching:
         return am.Compacted(idx, ck, beta, values)
 
     @torch.no_grad()
-    def compress(self, session: Session, prompt: Any) -> RaggedCache:
-        self.timings = {}
+    def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
+        """Reference queries, a dense prefill, then every global layer's heads compacted in the ragged cache."""
+        self.timings, self._report = {}, {}
         start = time.perf_counter()
         per_source = [SOURCES[name](session, prompt, self.seed) for name in self.queries]
         queries = [torch.cat([src[layer] for src in per_source], dim=1) for layer in range(len(per_source[0]))]
         self.timings["queries_s"] = time.perf_counter() - start
-        dense = dense_prefill(session, prompt.context_ids)
-        cache = RaggedCache.from_dynamic(dense)
+        prefill = session.dense_prefill(prompt.context_ids)
+        cache = prefill.ragged()
         group = session.adapter.group_size
         errors: dict[tuple[int, int], dict[str, float]] = {}
         for index, spec in enumerate(session.adapter.layers):
             if spec.sliding_window is not None:
                 continue
             layer = cache.ragged[index]
-            dense_layer = dense.layers[index]
-            assert dense_layer.keys is not None and dense_layer.values is not None
-            keys, values = dense_layer.keys[0], dense_layer.values[0]  # (Hkv, T, d)
+            keys, values = prefill.kv(index)  # (Hkv, T, d)
             results = []
             for h in range(keys.shape[0]):
                 q = pooled(queries[index], h, group, self.max_queries, self.seed + h)
@@ -183,13 +206,14 @@ class AttentionMatching:
                 layer.set_bias(h, r.beta)
                 layer.set_values(h, r.values)
         if errors:  # float64 errors on held-out queries, per (layer, KV head) and averaged
-            self.report = {
+            self._report = {
                 "heldout_output_rel_l2": sum(e["output_rel_l2"] for e in errors.values()) / len(errors),
                 "heldout_mass_rel": sum(e["mass_rel"] for e in errors.values()) / len(errors),
                 "per_layer_head": {f"L{i}H{h}": e for (i, h), e in errors.items()},
-                "timings_s": dict(self.timings),
             }
+        self._report["timings_s"] = dict(self.timings)
         return cache
 
-    def decode_context(self, session: Session, cache: RaggedCache) -> Any:
-        return nullcontext()
+    def report(self) -> dict[str, Any]:
+        """Held-out reconstruction errors (mean and per layer and KV head) and step timings of the last compression."""
+        return self._report

@@ -1,65 +1,99 @@
-"""What every method shares: the session it runs in, dense prefill, and cache surgery from scores.
+"""The method type: what every compression method shares.
 
-A method is a small dataclass with ``compress(session, prompt) -> RaggedCache`` and, for methods that
-also prune while generating, ``decode_context(session, cache)``.
+A method is a small dataclass that Hydra builds from ``conf/method/<name>.yaml``, with its dependencies
+handed in (a surrogate module, a kvpress press): it never reads a file and never touches transformers'
+internals. Its entry point is ``compress(session, prompt) -> RaggedCache``; ``decode_context(session,
+cache)`` wraps generation (a no-op unless the method also prunes while decoding); ``describe()`` is what
+the run records about it; ``report()`` holds per-sample extras (timings, reconstruction errors).
+
+The budget knob is the same for every method: ``keep_ratio``, the share of the context's KV entries
+kept (None: the method's own rule, e.g. KVzap's threshold, or no compression). Methods with a second
+knob (KVzap's ``threshold``) take exactly one of the two. Options are checked when the method is built,
+before any model is loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from transformers import DynamicCache
 
-from kvresearch.cache import RaggedCache, ragged_attention_enabled
-from kvresearch.generation import Prompt
-from kvresearch.models.adapter import ModelAdapter
-from kvresearch.models.hooks import attention_inputs
-from kvresearch.ops.selection import keep_threshold, keep_topk, protect_window
-
-
-@dataclass
-class Session:
-    """A loaded model as methods see it."""
-
-    adapter: ModelAdapter
-    tokenizer: Any
-
-    @property
-    def model(self) -> Any:
-        return self.adapter.model
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def new_cache(self) -> RaggedCache:
-        return RaggedCache(self.adapter.num_layers, [layer.sliding_window for layer in self.adapter.layers])
+from kvresearch.errors import KVResearchError
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.session import Prefill, Session
+from kvresearch.ops.selection import SCOPES, keep_threshold, keep_topk, protect_window
+from kvresearch.prompts import Prompt
 
 
-@torch.no_grad()
-def dense_prefill(session: Session, ids: torch.Tensor, inputs: dict[int, torch.Tensor] | None = None) -> DynamicCache:
-    """Prefill ``ids`` (1, T) into a DynamicCache; optionally record each layer's attention input h."""
-    cache = DynamicCache()
-    with attention_inputs(session.adapter, inputs) if inputs is not None else nullcontext():
-        session.model(input_ids=ids.to(session.device), past_key_values=cache, use_cache=True)
-    return cache
+def jsonable(value: Any) -> Any:
+    """A JSON-friendly view of an option: modules and presses by what they describe, dtypes by name."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if hasattr(value, "describe"):
+        return value.describe()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {"class": type(value).__name__, **fields}
+    return str(value) if isinstance(value, torch.dtype) else type(value).__name__
 
 
-@torch.no_grad()
-def ragged_prefill(session: Session, ids: torch.Tensor, cache: RaggedCache, chunk_size: int | None = None) -> None:
-    """Prefill ``ids`` (1, T) into a ragged cache, in chunks of ``chunk_size`` tokens (None: one pass)."""
-    step = chunk_size or ids.shape[1]
-    with ragged_attention_enabled(session.model):
-        for start in range(0, ids.shape[1], step):
-            chunk = ids[:, start : start + step].to(session.device)
-            session.model(input_ids=chunk, past_key_values=cache, use_cache=True)
+@dataclass(kw_only=True)
+class Method:
+    """Base of every compression method (see the module docstring)."""
+
+    name: str
+    keep_ratio: float | None = None
+    lossless: ClassVar[bool] = False  # True only for the full cache, whose answers are their own reference
+
+    def __post_init__(self) -> None:
+        """Check the options; subclasses extend this and call it."""
+        if self.keep_ratio is not None and not 0.0 <= float(self.keep_ratio) <= 1.0:
+            raise KVResearchError(
+                f"method {self.name}: keep_ratio must lie in [0, 1] (the share of KV entries kept), got "
+                f"{self.keep_ratio}."
+            )
+
+    def require_one(self, other: str) -> None:
+        """Exactly one of ``keep_ratio`` and the option ``other`` (e.g. threshold) must be set."""
+        value = getattr(self, other)
+        if (value is None) == (self.keep_ratio is None):
+            raise KVResearchError(
+                f"method {self.name} needs exactly one of {other} and keep_ratio (got {other}={value}, "
+                f"keep_ratio={self.keep_ratio}): to prune to a budget set method.{other}=null "
+                f"method.keep_ratio=<share kept>; to use the {other}, set method.keep_ratio=null."
+            )
+
+    def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
+        """The compressed cache of ``prompt.context_ids``."""
+        raise NotImplementedError
+
+    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
+        """A context manager around generation from ``cache`` (pruning while decoding); a no-op by default."""
+        return nullcontext()
+
+    def report(self) -> dict[str, Any]:
+        """Per-sample extras of the last ``compress`` (timings, errors); empty by default."""
+        return {}
+
+    def budget(self) -> str:
+        """The budget in one label, for tables: ``keep=0.33``, ``tau=-4`` or ``-``."""
+        return "-" if self.keep_ratio is None else f"keep={self.keep_ratio:g}"
+
+    def describe(self) -> dict[str, Any]:
+        """What a run records: name, class, budget label and every option."""
+        options = {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {"class": type(self).__name__, "budget": self.budget(), **options}
 
 
 def cache_from_scores(
-    dense: DynamicCache,
+    prefill: Prefill,
     scores: list[torch.Tensor],
     threshold: float | None = None,
     keep_ratio: float | None = None,
@@ -70,32 +104,46 @@ def cache_from_scores(
     """Keep entries by threshold or by a keep_ratio budget; the last ``window`` and first ``sinks`` always stay.
 
     Args:
+        prefill: the dense prefill whose entries are kept or dropped.
         scores: per layer (kv_heads, T), higher is more important.
+        threshold: keep scores at or above it (exactly one of threshold and keep_ratio).
+        keep_ratio: keep this share of the entries, within ``scope`` (head, layer or global).
+        scope: where the keep_ratio budget applies.
+        window: most recent entries always kept.
+        sinks: first entries always kept.
     """
     if (threshold is None) == (keep_ratio is None):
         raise ValueError("give exactly one of threshold and keep_ratio")
+    if scope not in SCOPES:
+        raise KVResearchError(f"scope must be one of {SCOPES}, got {scope!r}.")
     protected = protect_window(scores, window, sinks)
     if threshold is not None:
         keep = keep_threshold(protected, threshold)
     else:
         keep = keep_topk(protected, float(keep_ratio), scope)  # type: ignore[arg-type]
-    return RaggedCache.from_dynamic(dense, keep)
+    return prefill.ragged(keep)
 
 
-class FullCache:
+@dataclass(kw_only=True)
+class FullCache(Method):
     """No compression: the whole context in the ragged cache (the reference every method is compared to)."""
 
-    name = "full"
-    decoding = False
+    name: str = "full"
+    chunk_size: int | None = None  # prefill chunk
+    lossless: ClassVar[bool] = True
 
-    def __init__(self, chunk_size: int | None = None):
-        self.chunk_size = chunk_size
+    def __post_init__(self) -> None:
+        """A full cache keeps everything: a keep_ratio below 1 is a mistake."""
+        super().__post_init__()
+        if self.keep_ratio not in (None, 1.0):
+            raise KVResearchError(
+                f"method=full keeps every entry, so keep_ratio={self.keep_ratio} means nothing for it: leave "
+                "method.keep_ratio unset for the full cache (sweep it only over compression methods)."
+            )
 
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
+        """Prefill the context into a ragged cache and shrink its buffers to it."""
         cache = session.new_cache()
-        ragged_prefill(session, prompt.context_ids, cache, self.chunk_size)
-        cache.compact()  # shrink the buffers to the context
+        session.ragged_prefill(prompt.context_ids, cache, self.chunk_size)
+        cache.compact()
         return cache
-
-    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
-        return nullcontext()

@@ -6,42 +6,50 @@ with a predicted log score below ``threshold`` is evicted from that KV head, phy
 compacted after every call of more than one token, and during decoding once enough entries are dead).
 The rule is the one of kvpress's ``DMSPress(KVzapPress)``, which only masks evicted pairs.
 
-Attach it around the context prefill; keep it attached while generating for ``decoding: true``.
+``keep_ratio`` instead of ``threshold``: score every context token from a dense prefill and keep the top
+share per head, layer or globally (``scope``), the window protected, for comparisons at a matched ratio.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvresearch.cache import RaggedCache
 from kvresearch.errors import KVResearchError
-from kvresearch.methods.base import cache_from_scores, dense_prefill, ragged_prefill
+from kvresearch.methods.base import Method, cache_from_scores
 from kvresearch.models.adapter import ModelAdapter
-from kvresearch.models.hooks import attention_inputs
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.hooks import after_attention, attention_inputs
+from kvresearch.models.session import Session
+from kvresearch.ops.selection import SCOPES
+from kvresearch.prompts import Prompt
 from kvresearch.surrogate.modules import Surrogate
 
 
 @dataclass
 class ScoringTime:
-    seconds: float = 0.0  # time spent in the surrogate while attached
+    """Seconds spent in the surrogate while a pruner was attached."""
+
+    seconds: float = 0.0
 
 
 @dataclass
-class KVzap:
+class ThresholdPruner:
+    """The KVzap rule, attached to a model and a ragged cache for the length of a ``with`` block."""
+
     surrogate: Surrogate
     threshold: float  # log-space threshold tau
     window: int = 128
-    decoding: bool = False
     compact_every: int = 64  # during decoding, compact a layer once this many entries are dead per head
 
     @contextmanager
     def attach(self, adapter: ModelAdapter, cache: RaggedCache) -> Iterator[ScoringTime]:
+        """Score and evict after every attention call inside the block; the cache is compacted on exit."""
         timer = ScoringTime()
         inputs: dict[int, torch.Tensor] = {}
         # Tokens still inside the window, with their scores; kept on the cache so that re-attaching for
@@ -49,8 +57,7 @@ class KVzap:
         pending_pos, pending_scores = cache.method_state.setdefault("kvzap_pending", ({}, {}))
         surrogate = self.surrogate.eval()
 
-        def after_attention(module: Any, _args: Any, _output: Any) -> None:
-            index = int(module.layer_idx)
+        def on_layer(index: int) -> None:
             layer = cache.ragged[index]
             start = time.perf_counter()
             with torch.no_grad():
@@ -69,74 +76,80 @@ class KVzap:
             if layer.new_positions.numel() > 1 or int(layer.dead.max()) >= self.compact_every:
                 layer.compact()
 
-        handles = [spec.attn.register_forward_hook(after_attention) for spec in adapter.layers]
         try:
-            with attention_inputs(adapter, inputs):
+            with attention_inputs(adapter, inputs), after_attention(adapter, on_layer):
                 yield timer
         finally:
-            for handle in handles:
-                handle.remove()
             cache.compact()
 
 
-class KVzapMethod:
-    """KVzap at inference, from a surrogate exported by train_surrogate.
+@dataclass(kw_only=True)
+class KVzap(Method):
+    """KVzap at inference with a surrogate handed in (built from a train_surrogate run by Hydra)."""
 
-    Threshold mode (``threshold``): chunked prefill into the ragged cache with the pruner attached.
-    Fixed-budget mode (``keep_ratio`` and ``scope``): score every context token from a dense prefill,
-    keep the top share per head, layer or globally (window protected), for comparisons at a matched ratio.
-    """
+    name: str = "kvzap"
+    surrogate: Surrogate
+    threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
+    scope: str = "head"  # for keep_ratio: head | layer | global
+    window: int = 128
+    decoding: bool = False  # keep pruning while generating (threshold mode)
+    chunk_size: int | None = None  # prefill chunk; bounds peak memory by chunk + kept cache
+    _scoring_s: float = field(default=0.0, init=False, repr=False)
 
-    decoding: bool
-
-    def __init__(
-        self,
-        surrogate_path: str,
-        threshold: float | None = None,
-        keep_ratio: float | None = None,
-        scope: str = "head",
-        window: int = 128,
-        decoding: bool = False,
-        chunk_size: int | None = None,
-        name: str = "kvzap",
-        expect_model: str | None = None,
-    ):
-        if (threshold is None) == (keep_ratio is None):
-            raise ValueError("KVzap needs exactly one of threshold and keep_ratio")
-        self.surrogate = Surrogate.load(surrogate_path, expect_model=expect_model)
-        self.threshold, self.keep_ratio, self.scope = threshold, keep_ratio, scope
-        self.window, self.decoding, self.chunk_size, self.name = window, decoding, chunk_size, name
-        self.scoring_s = 0.0
-
-    def _pruner(self) -> KVzap:
-        return KVzap(
-            self.surrogate, float(self.threshold if self.threshold is not None else 0.0), self.window, self.decoding
-        )
-
-    def compress(self, session: Any, prompt: Any) -> RaggedCache:
-        if self.surrogate.config.layers != session.adapter.num_layers or (
-            self.surrogate.config.hidden != session.adapter.hidden_size
-        ):
+    def __post_init__(self) -> None:
+        """Exactly one budget; a known scope; a non-negative window."""
+        super().__post_init__()
+        self.require_one("threshold")
+        if self.scope not in SCOPES:
+            raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
+        if self.window < 0:
+            raise KVResearchError(f"method {self.name}: window must be >= 0, got {self.window}.")
+        if self.decoding and self.threshold is None:
             raise KVResearchError(
-                f"The surrogate ({self.surrogate.config.layers} layers, hidden {self.surrogate.config.hidden}) does "
-                f"not fit this model ({session.adapter.num_layers} layers, hidden {session.adapter.hidden_size}): "
-                "train one for this model with `make train-surrogate ARGS='model=...'`."
+                f"method {self.name}: decoding=true prunes by threshold; set method.threshold and "
+                "method.keep_ratio=null."
             )
+
+    def budget(self) -> str:
+        """``tau=<threshold>`` in threshold mode, else the keep ratio."""
+        return f"tau={self.threshold:g}" if self.threshold is not None else super().budget()
+
+    def pruner(self) -> ThresholdPruner:
+        """The threshold rule with this method's settings."""
+        assert self.threshold is not None
+        return ThresholdPruner(self.surrogate, float(self.threshold), self.window)
+
+    def _check_fits(self, session: Session) -> None:
+        config, adapter = self.surrogate.config, session.adapter
+        if config.layers != adapter.num_layers or config.hidden != adapter.hidden_size:
+            raise KVResearchError(
+                f"The surrogate ({config.layers} layers, hidden {config.hidden}) does not fit this model "
+                f"({adapter.num_layers} layers, hidden {adapter.hidden_size}): train one for this model with "
+                "`make train-surrogate ARGS='model=...'`."
+            )
+
+    def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
+        """Threshold mode: chunked prefill with the pruner attached; keep_ratio mode: scores of a dense prefill."""
+        self._check_fits(session)
         if self.threshold is not None:
             cache = session.new_cache()
-            with self._pruner().attach(session.adapter, cache) as timer:
-                ragged_prefill(session, prompt.context_ids, cache, self.chunk_size)
-            self.scoring_s = timer.seconds
+            with self.pruner().attach(session.adapter, cache) as timer:
+                session.ragged_prefill(prompt.context_ids, cache, self.chunk_size)
+            self._scoring_s = timer.seconds
             return cache
-        inputs: dict[int, torch.Tensor] = {}
-        dense = dense_prefill(session, prompt.context_ids, inputs)
+        prefill = session.dense_prefill(prompt.context_ids, record_inputs=True)
+        start = time.perf_counter()
         with torch.no_grad():
-            scores = [self.surrogate.forward_layer(i, inputs[i][0]).T.float() for i in range(len(inputs))]
-        return cache_from_scores(dense, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
+            scores = [
+                self.surrogate.forward_layer(i, prefill.inputs[i][0]).T.float() for i in range(prefill.num_layers)
+            ]
+        self._scoring_s = time.perf_counter() - start
+        return cache_from_scores(prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
 
-    def decode_context(self, session: Any, cache: RaggedCache) -> Any:
-        return (
-            self._pruner().attach(session.adapter, cache)
-            if self.decoding and self.threshold is not None
-            else nullcontext()
-        )
+    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
+        """With ``decoding: true``, the pruner stays attached while generating."""
+        return self.pruner().attach(session.adapter, cache) if self.decoding else nullcontext()
+
+    def report(self) -> dict[str, Any]:
+        """Seconds spent in the surrogate during the last compression."""
+        return {"scoring_s": self._scoring_s}

@@ -6,47 +6,52 @@ choices). Thresholds are in log space (like KVzap's); the template head is never
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from kvresearch.cache import RaggedCache
 from kvresearch.capture import chunked_oracle_scores
-from kvresearch.methods.base import Session, cache_from_scores, dense_prefill
+from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import Method, cache_from_scores
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.session import Session
+from kvresearch.ops.selection import SCOPES
+from kvresearch.prompts import Prompt
 
 
-class KVzipMethod:
-    decoding = False
+@dataclass(kw_only=True)
+class KVzip(Method):
+    """The KVzip (``plus=false``) or KVzip+ oracle with a keep_ratio budget or a log-space threshold."""
 
-    def __init__(
-        self,
-        plus: bool = True,
-        threshold: float | None = None,
-        keep_ratio: float | None = None,
-        scope: str = "global",
-        chunk_size: int = 2048,
-        window: int = 0,
-        name: str = "kvzip_plus",
-    ):
-        if (threshold is None) == (keep_ratio is None):
-            raise ValueError("KVzip needs exactly one of threshold and keep_ratio")
-        self.plus, self.threshold, self.keep_ratio, self.scope = plus, threshold, keep_ratio, scope
-        self.chunk_size, self.window, self.name = chunk_size, window, name
+    name: str = "kvzip_plus"
+    plus: bool = True
+    threshold: float | None = None
+    scope: str = "global"  # for keep_ratio: head | layer | global
+    chunk_size: int = 2048
+    window: int = 0  # most recent tokens always kept
 
-    def compress(self, session: Session, prompt: Any) -> RaggedCache:
+    def __post_init__(self) -> None:
+        """Exactly one budget and a known scope."""
+        super().__post_init__()
+        self.require_one("threshold")
+        if self.scope not in SCOPES:
+            raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
+
+    def budget(self) -> str:
+        """``tau=<threshold>`` in threshold mode, else the keep ratio."""
+        return f"tau={self.threshold:g}" if self.threshold is not None else super().budget()
+
+    def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
+        """Dense prefill, oracle scores by chunked repeat passes, then the budget."""
         ids = prompt.context_ids
-        dense = dense_prefill(session, ids)
+        prefill = session.dense_prefill(ids)
         context = ids[0, prompt.head_len :].tolist()
         layers = chunked_oracle_scores(
-            session.adapter, session.tokenizer, dense, context, prompt.head_len, chunk_size=self.chunk_size
+            session.adapter, session.tokenizer, prefill.cache, context, prompt.head_len, chunk_size=self.chunk_size
         )
         scores = []
         for layer in layers:
             s = (layer.kvzip_plus if self.plus else layer.kvzip).clamp_min(1e-30).log()  # (Hkv, C)
             sinks = torch.full((s.shape[0], prompt.head_len), float("inf"))
             scores.append(torch.cat([sinks, s], dim=1))
-        return cache_from_scores(dense, scores, self.threshold, self.keep_ratio, self.scope, self.window)
-
-    def decode_context(self, session: Session, cache: RaggedCache) -> Any:
-        return nullcontext()
+        return cache_from_scores(prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window)

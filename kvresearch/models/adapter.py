@@ -79,7 +79,9 @@ class ModelAdapter:
         """q, k, v of attention input ``h`` before rotary (after q_norm/k_norm where the model has them).
 
         Args:
+            layer: decoder layer index.
             h: (batch, seq, hidden).
+
         Returns:
             q (batch, q_heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim).
         """
@@ -126,4 +128,5 @@ class ModelAdapter:
 
     @property
     def max_positions(self) -> int:
+        """The model's position limit (0 if it does not say)."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)

@@ -52,7 +52,8 @@ def embedded_folder(name: str, package: str, gguf_file: str, chat_tokens: dict[s
 
     Args:
         name: folder name under ``cache_root()/models``.
-        package, gguf_file: where the GGUF ships.
+        package: the installed package that ships the GGUF.
+        gguf_file: the GGUF's file name inside the package.
         chat_tokens: tokenizer special tokens to set (``eos_token``, ``pad_token``) where the GGUF metadata
             differs from the original chat model.
     """

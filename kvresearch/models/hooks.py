@@ -2,7 +2,8 @@
 
 ``attention_calls`` wraps the attention function that transformers dispatches to (sdpa, eager,
 flash, ...) so that a callback sees exactly the q, k, v the model attends with, without switching the
-model to eager attention. ``attention_inputs`` records each layer's attention input h.
+model to eager attention. ``attention_inputs`` records each layer's attention input h;
+``after_attention`` calls back once each attention module has run (its cache is then up to date).
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def attention_inputs(adapter: ModelAdapter, store: dict[int, torch.Tensor]) -> I
         return record
 
     handles = [layer.attn.register_forward_pre_hook(hook(layer.index), with_kwargs=True) for layer in adapter.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def after_attention(adapter: ModelAdapter, callback: Callable[[int], None]) -> Iterator[None]:
+    """Call ``callback(layer_index)`` after each attention module's forward inside the block."""
+    handles = [
+        layer.attn.register_forward_hook(lambda _m, _a, _o, index=layer.index: callback(index))
+        for layer in adapter.layers
+    ]
     try:
         yield
     finally:

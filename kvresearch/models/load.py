@@ -35,6 +35,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """Where the weights are."""
         return next(self.model.parameters()).device
 
 
@@ -61,13 +62,13 @@ def _embedded(cfg: Mapping[str, Any]) -> str:
     )
 
 
-def _tokenizer_for_random(cfg: Mapping[str, Any]) -> Any:
+def _tokenizer_for_random(cfg: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """The tokenizer a random model borrows, and the folder it comes from."""
     source = cfg.get("tokenizer")
     if source is None:
-        return None
-    if isinstance(source, Mapping):  # an embedded model's config
-        return AutoTokenizer.from_pretrained(_embedded(source))
-    return AutoTokenizer.from_pretrained(str(source))
+        return None, None
+    folder = _embedded(source) if isinstance(source, Mapping) else str(source)  # an embedded model's config, or a path
+    return AutoTokenizer.from_pretrained(folder), folder
 
 
 def build_random(cfg: Mapping[str, Any]) -> PreTrainedModel:
@@ -96,7 +97,9 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
     attn = cfg.get("attn_implementation", "sdpa")
     if source == "random":
         model = build_random(cfg)
-        tokenizer = _tokenizer_for_random(cfg)
+        tokenizer, folder = _tokenizer_for_random(cfg)
+        if folder is not None:  # tools that load the tokenizer from the model (kvpress's KVzipPress) find it
+            model.config.name_or_path = folder
     elif source in ("embedded", "hub"):
         if source == "embedded":
             path = _embedded(cfg)

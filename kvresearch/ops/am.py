@@ -40,6 +40,17 @@ class Block:
     m: torch.Tensor  # (n,) float64 per-query max of S = Q K^T s
     mass: torch.Tensor  # (n,) float64 row sums of e: the partition function to match (times exp(-m))
     out: torch.Tensor  # (n, dv) float64 attention output softmax(S) V
+    copies: torch.Tensor  # (T,) int64: for the first of identical keys, how many there are; 0 for the others
+
+
+def duplicate_counts(k: torch.Tensor) -> torch.Tensor:
+    """(T,) int64: for the first occurrence of each distinct row of ``k`` (T, d), its number of copies; else 0."""
+    _, inverse, counts = torch.unique(k, dim=0, return_inverse=True, return_counts=True)
+    first = torch.full((len(counts),), k.shape[0], dtype=torch.long, device=k.device)
+    first.scatter_reduce_(0, inverse, torch.arange(k.shape[0], device=k.device), reduce="amin")
+    out = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
+    out[first] = counts
+    return out
 
 
 def shifted_exp(
@@ -58,13 +69,16 @@ def block(
     e, m = shifted_exp(q, k, scaling, dtype)
     mass = e.sum(dim=1, dtype=F64)
     out = (e @ v.to(dtype)).to(F64) / mass[:, None]
-    return Block(e, m, mass, out)
+    return Block(e, m, mass, out, duplicate_counts(k))
 
 
 def highest_attention_keys(b: Block, t: int, reduce: str = "rms", pool: int = 0) -> torch.Tensor:
     """The t keys with the largest RMS (or max, mean) softmax weight over the queries; sorted indices.
 
-    ``pool`` > 0 smooths the per-key score with a 1-D max-pool of that width first (neighbouring tokens).
+    Identical keys count once, with the weight of all their copies (the first copy stands for them; the
+    fitted beta then carries the multiplicity), so a context that repeats itself wastes no slots; fewer
+    than t keys come back when there are fewer distinct ones. ``pool`` > 0 smooths the per-key score with
+    a 1-D max-pool of that width first (neighbouring tokens).
     """
     inv = 1.0 / b.mass.to(b.e.dtype)  # softmax weights are e / mass, row by row
     n = b.e.shape[0]
@@ -79,7 +93,10 @@ def highest_attention_keys(b: Block, t: int, reduce: str = "rms", pool: int = 0)
     n_keys = b.e.shape[1]
     if pool > 1:
         score = torch.nn.functional.max_pool1d(score[None, None], pool, stride=1, padding=pool // 2)[0, 0, :n_keys]
-    return score.topk(min(t, n_keys)).indices.sort().values
+    distinct = b.copies > 0
+    if not bool(distinct.all()):  # each statistic of c identical columns' summed weight is c times one copy's
+        score = torch.where(distinct, score * b.copies.to(score.dtype), -torch.inf)
+    return score.topk(min(t, int(distinct.sum()))).indices.sort().values
 
 
 def nnls(m: torch.Tensor, y: torch.Tensor, lower: float = 0.0, upper: float = np.inf) -> torch.Tensor:
@@ -99,7 +116,7 @@ def clamped_least_squares(m: torch.Tensor, y: torch.Tensor, lower: float = 0.0, 
 
 
 def fit_beta(b: Block, idx: torch.Tensor, bounds: tuple[float, float] = OMP_BOUNDS) -> torch.Tensor:
-    """beta (t,) = log w, w from bounded NNLS of the mass target: E[:, idx] w ~ E 1."""
+    """Beta (t,) = log w, w from bounded NNLS of the mass target: E[:, idx] w ~ E 1."""
     w = nnls(b.e[:, idx], b.mass, *bounds)
     return torch.log(w.clamp_min(bounds[0]))
 
@@ -138,12 +155,13 @@ def omp_keys(
     bounds: tuple[float, float] = OMP_BOUNDS,
     progressive: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy selection on the mass residual: add the key(s) most correlated with r = y - M w, refit w by
-    bounded NNLS every ``refit_every`` steps (incrementally: the Gram matrix grows by the new columns and
-    the solve starts from the previous weights), optionally drop keys whose log w falls below
-    ``drop_below`` and refill (one round). ``progressive`` > 0 adds ``max(keys_per_step, progressive *
-    chosen)`` keys per step (geometric growth: O(log t) steps for large budgets).
-    Returns (sorted indices (t,), beta (t,)).
+    """Greedy selection on the mass residual; returns (sorted indices (t,), beta (t,)).
+
+    Add the key(s) most correlated with r = y - M w, refit w by bounded NNLS every ``refit_every`` steps
+    (incrementally: the Gram matrix grows by the new columns and the solve starts from the previous
+    weights), optionally drop keys whose log w falls below ``drop_below`` and refill (one round).
+    ``progressive`` > 0 adds ``max(keys_per_step, progressive * chosen)`` keys per step (geometric growth:
+    O(log t) steps for large budgets).
     """
     columns = b.e.T.contiguous()  # (T, n): a candidate's column is a contiguous row
     n_keys = columns.shape[0]
@@ -178,6 +196,8 @@ def omp_keys(
 
 @dataclass
 class Compacted:
+    """One KV head's compacted block."""
+
     idx: torch.Tensor  # (t,) indices of the kept keys
     keys: torch.Tensor  # (t, d) C_k (original keys, original rotary positions)
     beta: torch.Tensor  # (t,) float64

@@ -69,8 +69,10 @@ def _fresh_prefill_rows(
     lengths: torch.Tensor,
     window: int | None,
 ) -> torch.Tensor | None:
-    """The packed rows (Hkv * T,) when each head holds exactly positions ``q_pos`` (sorted, contiguous)
-    with zero bias and no window cut: a plain causal prefill. None otherwise."""
+    """The packed rows (Hkv * T,) of a plain causal prefill, else None.
+
+    A plain prefill: each head holds exactly positions ``q_pos`` (sorted, contiguous), zero bias, no window cut.
+    """
     n_q = q_pos.numel()
     if bool((lengths != n_q).any()) or (window is not None and window < n_q):
         return None

@@ -120,6 +120,7 @@ class IncrementalNNLS:
         self.w = torch.zeros(0, dtype=F64)
 
     def add(self, cols: list[int]) -> None:
+        """Append candidate columns ``cols``: the Gram matrix grows by their inner products."""
         new = self.columns[cols].to(F64)  # (k, n)
         cross = self.rows @ new.T  # (t, k)
         corner = new @ new.T
@@ -130,6 +131,7 @@ class IncrementalNNLS:
         self.chosen += cols
 
     def keep(self, mask: torch.Tensor) -> None:
+        """Drop the chosen columns where ``mask`` (t,) is False."""
         index = mask.nonzero()[:, 0]
         self.gram, self.b, self.w, self.rows = (
             self.gram[index][:, index],
@@ -140,8 +142,10 @@ class IncrementalNNLS:
         self.chosen = [self.chosen[i] for i in index.tolist()]
 
     def solve(self) -> torch.Tensor:
+        """Bounded NNLS of the chosen columns, warm-started from the previous weights."""
         self.w = bounded_gram_nnls(self.gram, self.b, self.lower, self.upper, w0=self.w)
         return self.w
 
     def fitted(self) -> torch.Tensor:
+        """The fit M w (n,)."""
         return self.w @ self.rows

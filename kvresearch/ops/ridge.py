@@ -22,6 +22,7 @@ class RidgeAccumulator:
         self.sxy = torch.zeros(layers, d, out, dtype=f64)
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add rows: x (rows, layers, d), y (rows, layers, out)."""
         x = x.to(torch.float64).transpose(0, 1)  # (L, rows, d)
         y = y.to(torch.float64).transpose(0, 1)  # (L, rows, out)
         self.n += x.shape[1]

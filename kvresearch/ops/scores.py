@@ -22,6 +22,7 @@ def value_output_norms(v: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     Args:
         v: (kv_heads, n, head_dim) values.
         w_o: (q_heads, head_dim, hidden) output projection split per query head.
+
     Returns:
         (kv_heads, group, n). Uses ||v W||^2 = v (W W^T) v^T, so memory is O(q_heads head_dim^2), not
         O(q_heads n hidden).
@@ -56,9 +57,11 @@ def kvzip_scores(
         h_norm: (rows,) ||h_j|| of the attention input of each row.
         w_o: (q_heads, head_dim, hidden) per-head output projection.
         scaling: softmax scale of q.k (1/sqrt(head_dim) for most models).
-        q_pos, k_pos: (rows,), (n_keys,) absolute positions for the causal (and window) mask.
+        q_pos: (rows,) absolute positions of the rows, for the causal (and window) mask.
+        k_pos: (n_keys,) absolute positions of the keys.
         window: sliding window (key visible iff 0 <= q_pos - k_pos < window), or None.
         block: rows per block.
+
     Returns:
         kvzip, kvzip_plus: (kv_heads, n_cols) each, in the dtype of ``q`` promoted to at least fp32.
     """

@@ -3,7 +3,8 @@
 ``scores`` is a list over layers of (kv_heads, n) tensors (higher = more important; +inf = always keep).
 The result is, per layer and head, the sorted indices of the kept entries. With ``keep_ratio`` r, the
 budget is round(r x entries) over the chosen scope: each head keeps the same share (``head``), each layer
-does while its heads compete (``layer``), or all layers and heads compete (``global``).
+does while its heads compete (``layer``), or all layers and heads compete (``global``). Entries scored
++inf (a protected window, sinks) are kept even when the budget is smaller than they are.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def keep_topk(scores: list[torch.Tensor], keep_ratio: float, scope: str = "head"
         for s in scores:
             masks.append(kept[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
+    masks = [mask | torch.isposinf(s) for mask, s in zip(masks, scores, strict=True)]
     return [[torch.nonzero(row).view(-1) for row in mask] for mask in masks]
 
 

@@ -10,20 +10,30 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvresearch.benchmarks.needle import needle_sample
-from kvresearch.generation import answer, build_prompt
-from kvresearch.models import load_model
+from kvresearch.errors import KVResearchError
+from kvresearch.models import ModelAdapter, Session, load_model
+from kvresearch.models.session import dense_answer
+from kvresearch.prompts import build_prompt
 from kvresearch.runs import RunContext, stage_main, write_json
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
+    """Answer one needle question per depth; report accuracy, prefill time and decode speed."""
     loaded = load_model(cfg.model)
     if loaded.tokenizer is None:
-        raise ValueError(f"model '{loaded.name}' has no tokenizer; the needle stage needs text")
+        raise KVResearchError(f"model '{loaded.name}' has no tokenizer; the needle stage needs text.")
+    session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     rows = []
     for i, depth in enumerate(cfg.needle.depths):
         sample = needle_sample(loaded.tokenizer, cfg.needle.context_tokens, float(depth), seed=cfg.seed + i)
         prompt = build_prompt(loaded.tokenizer, sample["context"], sample["question"], sample["answer_prefix"])
-        gen = answer(loaded.model, loaded.tokenizer, prompt, sample["max_new_tokens"])
+        if prompt.n_tokens + sample["max_new_tokens"] > cfg.model.max_context:
+            raise KVResearchError(
+                f"needle.context_tokens={cfg.needle.context_tokens} gives prompts of {prompt.n_tokens} tokens "
+                f"(+ {sample['max_new_tokens']} to generate), over model.max_context={cfg.model.max_context}: "
+                "lower needle.context_tokens. Nothing was truncated."
+            )
+        gen = dense_answer(session, prompt, sample["max_new_tokens"])
         text = loaded.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         row = {
             "depth": float(depth),

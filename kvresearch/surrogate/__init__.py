@@ -1,5 +1,5 @@
 """KVzap surrogates: modules, training data, Lightning wrappers, fit metrics, export."""
 
-from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
+from kvresearch.surrogate.modules import Surrogate, SurrogateConfig, from_run
 
-__all__ = ["Surrogate", "SurrogateConfig"]
+__all__ = ["Surrogate", "SurrogateConfig", "from_run"]

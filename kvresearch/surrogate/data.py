@@ -1,22 +1,25 @@
-"""The extract stage's output as training data: memory-mapped rows, split by document.
+"""The extract stage's output as training data: memory-mapped rows, split by document, in a resumable order.
 
 Splits: the corpus's test documents are the held-out set (never seen in training); the corpus's train
-documents are divided by document into train and validation (``val_fraction``, seeded).
+documents are divided by document into train and validation (``val_fraction``, seeded). Opening a run
+verifies every shard's checksums and rejects non-finite rows, naming the file.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from kvresearch.data.shards import Shard, hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
+from kvresearch.runs import read_json
 
 
 class ExtractRun:
@@ -24,14 +27,19 @@ class ExtractRun:
 
     def __init__(self, folder: Path | str):
         self.folder = Path(folder)
-        if not (self.folder / "DONE").is_file() or not (self.folder / "manifest.json").is_file():
+        if not (self.folder / "DONE").is_file():
             raise KVResearchError(
-                f"No finished extract run at {self.folder} (expected manifest.json and DONE). Run `make extract` "
-                "first, or point extract_dir at a finished extract run folder."
+                f"No finished extract run at {self.folder} (no DONE). Run `make extract` first, or point "
+                "paths.extract at a finished extract run (folder or run id)."
             )
-        self.manifest: dict[str, Any] = json.loads((self.folder / "manifest.json").read_text())
-        self.layout = self.manifest["layout"]
-        self.shards: list[Shard] = [open_shard(self.folder / "shards" / s["name"]) for s in self.manifest["shards"]]
+        fix = "Re-run extract on that run (no force needed): it rebuilds what is damaged."
+        self.manifest: dict[str, Any] = read_json(self.folder / "manifest.json", fix)
+        try:
+            self.layout = self.manifest["layout"]
+            names = [s["name"] for s in self.manifest["shards"]]
+        except (KeyError, TypeError) as error:
+            raise KVResearchError(f"{self.folder / 'manifest.json'} lacks {error}. {fix}") from error
+        self.shards: list[Shard] = [open_shard(self.folder / "shards" / name, full=True) for name in names]
         expected = (self.layout["layers"], self.layout["hidden"])
         for spec, shard in zip(self.manifest["shards"], self.shards, strict=True):
             if shard.hidden.shape[1:] != expected or shard.scores.shape[1:] != (expected[0], self.layout["kv_heads"]):
@@ -46,9 +54,11 @@ class ExtractRun:
 
     @property
     def model(self) -> str:
+        """The model the run was extracted from."""
         return str(self.manifest["model"])
 
     def split_documents(self, val_fraction: float, seed: int) -> dict[str, set[int]]:
+        """Document indices of train, validation (a seeded share of train) and test."""
         done = [d for d in self.manifest["documents"] if d["status"] == "done"]
         train = sorted(d["index"] for d in done if d["split"] == "train")
         random.Random(seed).shuffle(train)
@@ -64,7 +74,7 @@ class ExtractRun:
         return np.flatnonzero(np.isin(self.doc, np.fromiter(documents, dtype=np.int64)))
 
     def fetch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """h (n, layers, hidden) float32 and y (n, layers, kv_heads) float32 for global ``rows`` (any order)."""
+        """H (n, layers, hidden) float32 and y (n, layers, kv_heads) float32 for global ``rows`` (any order)."""
         rows = np.sort(np.asarray(rows))
         which = np.searchsorted(self.offsets, rows, side="right") - 1
         hs, ys = [], []
@@ -93,11 +103,56 @@ class Rows(Dataset):
         return self.run.fetch(self.rows[indices])
 
 
-def loader(dataset: Rows, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=lambda batch: batch, generator=generator
-    )
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def loader(dataset: Rows, batch_size: int) -> DataLoader:
+    """Batches in order (validation, prediction)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_as_is)
+
+
+class ShuffledBatches(Sampler[list[int]]):
+    """Batches of a seeded shuffle that a checkpoint can stop and resume mid-epoch.
+
+    Epoch e yields what ``DataLoader(dataset, batch_size, shuffle=True, generator=manual_seed(seed))``
+    yields in epoch e: the same draws from one generator (the loader's base seed, then RandomSampler's
+    permutation and its second, empty, one), so the data order of the original recipe is kept. Its
+    state is the generator at the start of the epoch in progress and the batches already trained on.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        """``n`` rows in batches of ``batch_size``, shuffled by a generator seeded with ``seed``."""
+        self.n, self.batch_size = n, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch_start = self.generator.get_state()
+        self.served = 0  # batches yielded in the epoch in progress
+        self.resume_at = 0
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.epoch_start = self.generator.get_state()
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # the DataLoader's worker base seed
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        torch.randperm(self.n, generator=self.generator)  # RandomSampler draws one more (empty) permutation
+        start, self.resume_at = self.resume_at, 0
+        for b in range(start, len(self)):
+            self.served = b + 1
+            yield order[b * self.batch_size : (b + 1) * self.batch_size]
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The order's state after ``consumed`` batches of the epoch in progress were trained on."""
+        consumed = self.served if consumed is None else consumed
+        if consumed >= len(self):  # epoch finished: resume at the start of the next one
+            return {"generator": self.generator.get_state(), "batches": 0}
+        return {"generator": self.epoch_start, "batches": int(consumed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved state: the next epoch (or the rest of one) as the saving run would have had it."""
+        self.generator.set_state(state["generator"])
+        self.resume_at = int(state["batches"])
 
 
 def predict(

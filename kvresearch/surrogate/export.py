@@ -1,16 +1,17 @@
-"""Export a surrogate in kvpress's ``KVzapModel`` layout (loadable by ``KVzapPress``)."""
+"""Our surrogate as kvpress's ``KVzapModel`` (loadable by ``KVzapPress``), in memory or on disk."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvresearch.surrogate.modules import Surrogate
 
 
-def to_kvpress(surrogate: Surrogate, folder: Path) -> Path:
-    """Write ``folder`` with kvpress's KVzapConfig/KVzapModel (config.json + safetensors)."""
+def kvpress_model(surrogate: Surrogate) -> Any:
+    """Kvpress's KVzapConfig/KVzapModel holding the same weights as ``surrogate``."""
     from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 
     cfg = surrogate.config
@@ -30,5 +31,10 @@ def to_kvpress(surrogate: Surrogate, folder: Path) -> Path:
                 linear = linears[layer * per_layer + i]
                 linear.weight.copy_(surrogate.weights[i][layer].T)  # nn.Linear stores (out, in)
                 linear.bias.copy_(surrogate.biases[i][layer])
-    model.save_pretrained(folder)
+    return model.eval()
+
+
+def to_kvpress(surrogate: Surrogate, folder: Path) -> Path:
+    """Write ``folder`` in kvpress's layout (config.json + safetensors), for kvpress users."""
+    kvpress_model(surrogate).save_pretrained(folder)
     return folder

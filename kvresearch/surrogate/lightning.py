@@ -1,15 +1,26 @@
-"""Lightning wrappers: the training module (MSE, AdamW, cosine schedule), the data module, a logger bridge."""
+"""Lightning wrappers: the training module, a resumable data module, periodic checkpoints, a logger bridge.
+
+The module: MSE, AdamW, a per-epoch cosine schedule (the KVzap recipe).
+
+A killed run resumes from ``last.ckpt`` (written every ``every_n_steps`` optimizer steps and at the end of
+every epoch) with the same weights, optimizer, schedule and data order, so it ends where an uninterrupted
+run ends: the data module's state (the order's generator and the batches trained on) goes into the
+checkpoint, and the training loader skips what was already trained on.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from torch import nn
+from torch.utils.data import DataLoader
 
-from kvresearch.surrogate.data import ExtractRun, Rows, loader
+from kvresearch.surrogate.data import ExtractRun, Rows, ShuffledBatches, _as_is, loader
 from kvresearch.surrogate.modules import Surrogate
 from kvresearch.tracking import Tracker
 
@@ -23,39 +34,91 @@ class SurrogateModule(L.LightningModule):
         self.lr, self.weight_decay, self.epochs = lr, weight_decay, epochs
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The surrogate's predictions."""
         return self.surrogate(h)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        """MSE of a batch."""
         h, y = batch
         loss = nn.functional.mse_loss(self.surrogate(h), y)
         self.log("train/mse", loss, on_step=False, on_epoch=True, batch_size=len(h))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        """Log the validation MSE."""
         h, y = batch
         self.log("val/mse", nn.functional.mse_loss(self.surrogate(h), y), on_epoch=True, batch_size=len(h))
 
     def configure_optimizers(self) -> Any:
+        """AdamW with a per-epoch cosine schedule."""
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
 
+class ResumableLoader(DataLoader):
+    """The training loader; its state is its data module's (Lightning restores it on a mid-epoch restart)."""
+
+    def __init__(self, data: ShardDataModule):
+        """Batches of ``data``'s training rows in its resumable order."""
+        super().__init__(Rows(data.run, data.train_rows), batch_sampler=data.order, collate_fn=_as_is)
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data module's state."""
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the data module's state."""
+        self.data.load_state_dict(state)
+
+
 class ShardDataModule(L.LightningDataModule):
-    """Train / validation rows of an extract run, split by document."""
+    """Train / validation rows of an extract run, split by document; the training order is resumable."""
 
     def __init__(self, run: ExtractRun, batch_size: int, val_fraction: float, seed: int):
+        """Split ``run``'s documents and prepare the seeded order of the training rows."""
         super().__init__()
         self.run, self.batch_size, self.seed = run, batch_size, seed
         self.documents = run.split_documents(val_fraction, seed)
         self.train_rows = run.rows_of(self.documents["train"])
         self.val_rows = run.rows_of(self.documents["val"])
+        self.order = ShuffledBatches(len(self.train_rows), batch_size, seed)
 
     def train_dataloader(self) -> Any:
-        return loader(Rows(self.run, self.train_rows), self.batch_size, shuffle=True, seed=self.seed)
+        """Training batches in the resumable order."""
+        return ResumableLoader(self)
 
     def val_dataloader(self) -> Any:
-        return loader(Rows(self.run, self.val_rows), 4 * self.batch_size, shuffle=False)
+        """Validation batches in order."""
+        return loader(Rows(self.run, self.val_rows), 4 * self.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The order's state after the batches of this epoch the trainer has taken (trained on, at a checkpoint)."""
+        trainer = self.trainer
+        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.ready if trainer is not None else None
+        return {"order": self.order.state_dict(consumed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the order where the checkpoint left it."""
+        self.order.load_state_dict(state_dict["order"])
+
+
+class Checkpoints(Callback):
+    """Write ``path`` every ``every_n_steps`` optimizer steps (0: never) and at the end of every epoch."""
+
+    def __init__(self, path: Path, every_n_steps: int):
+        """Checkpoint to ``path``."""
+        self.path, self.every_n_steps = Path(path), int(every_n_steps)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        """Save on every ``every_n_steps``-th step."""
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            trainer.save_checkpoint(self.path)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Save at the end of the epoch."""
+        trainer.save_checkpoint(self.path)
 
 
 class TrackerLogger(Logger):
@@ -67,18 +130,22 @@ class TrackerLogger(Logger):
 
     @property
     def name(self) -> str:
+        """Logger name."""
         return "kvresearch"
 
     @property
     def version(self) -> str:
+        """Logger version."""
         return "0"
 
     @property
     @rank_zero_experiment
     def experiment(self) -> Tracker:
+        """The job's tracker."""
         return self.tracker
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Forward to the tracker."""
         self.tracker.log(metrics, step=step)
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:

@@ -18,10 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvresearch.errors import KVResearchError
+from kvresearch.runs import read_json, resolve_run
 
 CONFIG_NAME = "surrogate.json"
 WEIGHTS_NAME = "surrogate.safetensors"
@@ -29,6 +31,8 @@ WEIGHTS_NAME = "surrogate.safetensors"
 
 @dataclass(frozen=True)
 class SurrogateConfig:
+    """Shape of a surrogate and the model it is for."""
+
     kind: str  # "linear" or "mlp"
     layers: int
     hidden: int  # D, the model's hidden size
@@ -49,6 +53,7 @@ class Surrogate(nn.Module):
         if config.kind == "mlp" and config.mlp_hidden is None:
             config = SurrogateConfig(**{**asdict(config), "mlp_hidden": config.hidden // 8})
         self.config = config
+        self.source: str | None = None  # the train_surrogate run it came from, when loaded from one
         L, D, H = config.layers, config.hidden, config.kv_heads
         widths = [D, H] if config.kind == "linear" else [D, int(config.mlp_hidden or 0), H]
         self.weights = nn.ParameterList()
@@ -76,12 +81,17 @@ class Surrogate(nn.Module):
                 x = nn.functional.gelu(x)
         return x
 
+    def describe(self) -> dict[str, object]:
+        """What a run records about the surrogate it used."""
+        return {"kind": self.config.kind, "model": self.config.model, "run": self.source}
+
     def flops_per_token(self) -> int:
         """Multiply-adds x 2 per token per layer."""
         return sum(2 * w.shape[1] * w.shape[2] for w in self.weights)
 
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Path) -> None:
+        """Write ``surrogate.safetensors`` and ``surrogate.json`` into ``folder``."""
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"weight.{i}": w.detach().contiguous() for i, w in enumerate(self.weights)}
         tensors |= {f"bias.{i}": b.detach().contiguous() for i, b in enumerate(self.biases)}
@@ -90,22 +100,59 @@ class Surrogate(nn.Module):
 
     @classmethod
     def load(cls, folder: Path | str, expect_model: str | None = None) -> Surrogate:
+        """A surrogate saved by :meth:`save`; ``expect_model`` refuses one trained for another model."""
         folder = Path(folder)
+        redo = (
+            "Re-train it (`make train-surrogate ARGS='force=true'` for the default runs) or point the method at "
+            "another train_surrogate run (paths.surrogate_mlp / paths.surrogate_linear)."
+        )
         if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-            raise KVResearchError(
-                f"No surrogate at {folder} (expected {CONFIG_NAME} and {WEIGHTS_NAME}). Train one with "
-                "`make train-surrogate` or point the method's surrogate path at a train_surrogate run's export/ folder."
-            )
-        config = SurrogateConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+            raise KVResearchError(f"No surrogate at {folder} (expected {CONFIG_NAME} and {WEIGHTS_NAME}). {redo}")
+        try:
+            config = SurrogateConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as error:
+            raise KVResearchError(f"{folder / CONFIG_NAME} is damaged ({error}). {redo}") from error
         if expect_model is not None and config.model not in (None, expect_model):
             raise KVResearchError(
                 f"The surrogate at {folder} was trained for model '{config.model}', not '{expect_model}'. "
-                f"Train one for {expect_model} (make train-surrogate ARGS='model={expect_model}')."
+                f"Extract and train one for {expect_model} (make train-surrogate ARGS='model={expect_model}')."
             )
         module = cls(config)
-        tensors = load_file(str(folder / WEIGHTS_NAME))
-        with torch.no_grad():
-            for i, (w, b) in enumerate(zip(module.weights, module.biases, strict=True)):
-                w.copy_(tensors[f"weight.{i}"])
-                b.copy_(tensors[f"bias.{i}"])
-        return module
+        try:
+            tensors = load_file(str(folder / WEIGHTS_NAME))
+            with torch.no_grad():
+                for i, (w, b) in enumerate(zip(module.weights, module.biases, strict=True)):
+                    w.copy_(tensors[f"weight.{i}"])
+                    b.copy_(tensors[f"bias.{i}"])
+        except (OSError, KeyError, RuntimeError, SafetensorError) as error:
+            raise KVResearchError(f"{folder / WEIGHTS_NAME} cannot be read ({error}). {redo}") from error
+        if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
+            raise KVResearchError(f"{folder / WEIGHTS_NAME} holds non-finite weights. {redo}")
+        return module.eval()
+
+
+def from_run(run: str, kind: str, model: str | None = None, root: str | None = None) -> Surrogate:
+    """The surrogate exported by a finished train_surrogate run, checked against what that run recorded.
+
+    Args:
+        run: the run's folder (absolute or relative to ``root``) or its run id.
+        kind: "linear" or "mlp": the kind the caller expects (a KVzap-MLP method refuses a linear run).
+        model: the model the surrogate must have been trained for (None: any).
+        root: the outputs root (default: ``$KVRESEARCH_OUTPUTS`` or outputs/).
+    """
+    folder = resolve_run(run, "train_surrogate", root)
+    recorded = read_json(folder / "metrics.json", "Re-run that train_surrogate run with force=true.")
+    if recorded.get("kind") != kind:
+        raise KVResearchError(
+            f"The train_surrogate run {folder} trained a {recorded.get('kind')} surrogate, but this method needs "
+            f"{kind}: point it at a {kind} run (paths.surrogate_{kind}=<run folder or id>)."
+        )
+    if model is not None and recorded.get("model") != model:
+        raise KVResearchError(
+            f"The train_surrogate run {folder} was trained for model '{recorded.get('model')}', not '{model}'. "
+            f"Extract and train one for {model} (make train-surrogate ARGS='model={model}'), or point "
+            f"paths.surrogate_{kind} at such a run."
+        )
+    surrogate = Surrogate.load(folder / "export", expect_model=model)
+    surrogate.source = str(folder)
+    return surrogate

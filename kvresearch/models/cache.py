@@ -7,9 +7,11 @@ masked (bias = -inf) and physically removed by :meth:`RaggedLayer.compact`, whic
 buffers at the size of what is kept, so memory falls. The cache reports the original number of tokens
 as its sequence length, so the rotary positions of new tokens continue from the original length.
 
-Attention over it runs through the ``kvr_ragged`` attention implementation registered below (the torch
-reference in ``ops/attention.py`` on CPU, the Triton decode kernel on CUDA); with an ordinary cache the
-same implementation falls back to sdpa. Batch size 1 only: a larger batch is refused with an error.
+Attention over it runs through the ``kvr_ragged`` attention implementation (the torch reference in
+``ops/attention.py`` on CPU, the Triton decode kernel on CUDA), which :func:`ragged_attention_enabled`
+registers with transformers (an explicit, idempotent call; importing this module changes nothing) and
+switches on; with an ordinary cache the same implementation falls back to sdpa. Batch size 1 only: a
+larger batch is refused with an error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -43,6 +45,7 @@ class RaggedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ transformers' cache protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate empty buffers shaped after the first keys and values (batch size 1 only)."""
         if key_states.shape[0] != 1:
             raise KVResearchError(
                 f"The compressed cache supports batch size 1 (got {key_states.shape[0]}): run samples one at a time."
@@ -75,13 +78,15 @@ class RaggedLayer(CacheLayerMixin):
         return self, self
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        # The ragged attention builds its masks from entry positions; ask transformers for none.
+        """Sizes that let transformers build no mask: the ragged attention masks by entry positions."""
         return cache_position.shape[0], 0
 
     def get_seq_length(self) -> int:
+        """Tokens ever appended: new tokens continue at this position."""
         return self.seen if self.is_initialized else 0
 
     def get_max_cache_shape(self) -> int:
+        """No fixed size."""
         return -1
 
     @property
@@ -126,10 +131,12 @@ class RaggedLayer(CacheLayerMixin):
         self.starts, self.lengths, self.caps = starts, lengths, caps.clone()
 
     def head_rows(self, h: int) -> torch.Tensor:
+        """Buffer rows of head h's entries."""
         start = int(self.starts[h])
         return torch.arange(start, start + int(self.lengths[h]), device=self.device)
 
     def head_positions(self, h: int) -> torch.Tensor:
+        """Rotary positions of head h's entries."""
         return self.pos[self.head_rows(h)]
 
     def alive(self, h: int) -> torch.Tensor:
@@ -157,6 +164,7 @@ class RaggedLayer(CacheLayerMixin):
         self.dead.zero_()
 
     def set_bias(self, h: int, bias: torch.Tensor) -> None:
+        """Set head h's additive logit biases (lengths[h],)."""
         self.bias[self.head_rows(h)] = bias.float().to(self.device)
 
     def set_values(self, h: int, values: torch.Tensor) -> None:
@@ -165,6 +173,7 @@ class RaggedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ accounting
     def kept_per_head(self) -> torch.Tensor:
+        """(kv_heads,) entries not evicted."""
         return self.lengths - self.dead
 
     def entry_bytes(self) -> int:
@@ -191,9 +200,11 @@ class RaggedCache(Cache):
 
     @property
     def ragged(self) -> list[RaggedLayer]:
+        """The layers."""
         return [layer for layer in self.layers if isinstance(layer, RaggedLayer)]
 
     def kv_bytes(self) -> dict[str, int]:
+        """Dense-equivalent, kept and allocated bytes over all layers."""
         totals = {"dense": 0, "kept": 0, "allocated": 0}
         for layer in self.ragged:
             if layer.is_initialized:
@@ -202,6 +213,7 @@ class RaggedCache(Cache):
         return totals
 
     def compact(self, slack: int = 0) -> None:
+        """Physically remove evicted entries in every layer."""
         for layer in self.ragged:
             if layer.is_initialized:
                 layer.compact(slack)
@@ -222,13 +234,22 @@ class RaggedCache(Cache):
         }
 
     @classmethod
-    def from_dynamic(cls, cache: DynamicCache, keep: Sequence[Sequence[torch.Tensor]] | None = None) -> RaggedCache:
-        """A ragged copy of a dense cache (positions 0..T-1), optionally keeping only ``keep[layer][head]``."""
-        out = cls(len(cache.layers))
-        for i, (src, dst) in enumerate(zip(cache.layers, out.ragged, strict=True)):
-            keys, values = src.keys, src.values  # (1, Hkv, T, d)
-            assert keys is not None and values is not None, "the dense cache has an empty layer"
-            dst.update(keys, values, {"cache_position": torch.arange(keys.shape[2], device=keys.device)})
+    def from_layers(
+        cls,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keep: Sequence[Sequence[torch.Tensor]] | None = None,
+        windows: Sequence[int | None] | None = None,
+    ) -> RaggedCache:
+        """A ragged cache of dense keys and values (positions 0..T-1), optionally keeping only ``keep[layer][head]``.
+
+        Args:
+            layers: per layer, keys and values of shape (kv_heads, T, head_dim).
+            keep: per layer and KV head, indices of the entries to keep (None: all).
+            windows: sliding window of each layer (None: all global).
+        """
+        out = cls(len(layers), windows)
+        for i, ((keys, values), dst) in enumerate(zip(layers, out.ragged, strict=True)):
+            dst.update(keys[None], values[None], {"cache_position": torch.arange(keys.shape[1], device=keys.device)})
             if keep is not None:
                 dst.keep_only(keep[i])
         return out
@@ -245,7 +266,7 @@ def ragged_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ragged cache -> our attention; anything else -> sdpa."""
+    """Transformers attention function: ragged cache -> our attention; anything else -> sdpa."""
     if not isinstance(key, RaggedLayer):
         return sdpa_attention_forward(
             module,
@@ -271,13 +292,16 @@ def ragged_attention_forward(
     return out.transpose(0, 1)[None], None  # (1, T, Hq, d)
 
 
-ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ragged_attention_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+def register_ragged_attention() -> None:
+    """Make ``kvr_ragged`` known to transformers' attention and mask registries (idempotent)."""
+    ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ragged_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
 
 
 @contextmanager
 def ragged_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
     """Switch the model to the ``kvr_ragged`` attention implementation inside the block."""
+    register_ragged_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
     try:

@@ -1,0 +1,187 @@
+"""Extraction: (attention input, log KVzip+ score) pairs for surrogate training, in resumable shards.
+
+Per document: one forward pass over the repeat prompt (the model keeps its sdpa attention; scores are
+computed from the captured q, k, v in row blocks), then ``samples_per_doc`` random context positions,
+the same for every layer, are stored as hidden states per layer and log KVzip+ per layer and KV head.
+Documents stream into shards of whole, consecutive documents (``data/shards.py``). A run resumes from
+its finished shards; a shard found missing or damaged is redone from its documents and comes out the
+same, so re-running a finished run repairs it. Documents that are empty or whose repeat prompt exceeds
+the model's positions are skipped and counted (not chunked: chunking would change the target's softmax).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvresearch.capture import oracle_scores
+from kvresearch.data.corpus import Document
+from kvresearch.data.shards import ShardWriter, finished_shards
+from kvresearch.errors import KVResearchError
+from kvresearch.models.adapter import ModelAdapter
+from kvresearch.progress import Progress
+from kvresearch.prompts import KVZIP_REPEAT, repeat_prompt, template_pieces
+from kvresearch.runs import read_json, write_json
+
+LOG_FLOOR = 1e-30  # scores that underflow to 0 are clamped here before the log (counted in metrics)
+FORMAT = "kvresearch-extract-v2"
+
+
+def sample_positions(n_context: int, n_samples: int, seed: int, doc_index: int) -> torch.Tensor:
+    """Sorted random context offsets, a pure function of (seed, document index) so resumes agree."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + doc_index)
+    return torch.randperm(n_context, generator=generator)[: min(n_samples, n_context)].sort().values
+
+
+def _in_turns(docs: list[Document]) -> list[Document]:
+    """Documents reordered to take their sources in turn (the first of each source, then the second, ...)."""
+    by_source: dict[str, list[Document]] = {}
+    for d in docs:
+        by_source.setdefault(d.source, []).append(d)
+    return [d for group in zip_longest(*by_source.values()) for d in group if d is not None]
+
+
+def cap_documents(docs: list[Document], max_docs: int | None) -> list[Document]:
+    """At most ``max_docs`` documents, test and train in proportion, sources taken in turn (None: all)."""
+    if not max_docs or max_docs >= len(docs):
+        return docs
+    test = [d for d in docs if d.split == "test"]
+    n_test = min(len(test), max(round(max_docs * len(test) / len(docs)), 1 if test and max_docs > 1 else 0))
+    train = [d for d in docs if d.split == "train"]
+    return _in_turns(test)[:n_test] + _in_turns(train)[: max_docs - n_test]
+
+
+def prompt_overhead(tokenizer: Any) -> int:
+    """Tokens of the repeat prompt besides the two copies of the document."""
+    pieces = template_pieces(tokenizer)
+    return len(pieces.head) + len(tokenizer(KVZIP_REPEAT, add_special_tokens=False).input_ids) + len(pieces.middle)
+
+
+@dataclass
+class Settings:
+    """The ``extract`` config group."""
+
+    samples_per_doc: int
+    hidden_dtype: str
+    rows_per_shard: int
+    block: int
+    seed: int
+    max_context: int
+
+    @classmethod
+    def from_config(cls, extract: Mapping[str, Any], seed: int, max_context: int) -> Settings:
+        """From the ``extract`` group, the run's seed and the model's positions."""
+        return cls(
+            int(extract["samples_per_doc"]), str(extract["hidden_dtype"]), int(extract["rows_per_shard"]),
+            int(extract["block"]), int(seed), int(max_context),
+        )  # fmt: skip
+
+
+def extract(adapter: ModelAdapter, tokenizer: Any, docs: list[Document], out_dir: Path, s: Settings) -> dict[str, Any]:
+    """Extract every document not yet in a finished shard of ``out_dir/shards``; return the run's counts."""
+    pieces = template_pieces(tokenizer)
+    overhead = prompt_overhead(tokenizer)
+    shard_root = out_dir / "shards"
+    done_docs = {d for meta in finished_shards(shard_root, full=True, repair=True) for d in meta["documents"]}
+    writer = ShardWriter(shard_root, s.hidden_dtype, s.rows_per_shard)
+    status: dict[int, str] = dict.fromkeys(done_docs, "done")
+    tokens = clamped = extracted = 0
+    start = time.perf_counter()
+    bar = Progress(len(docs), "extract", unit="doc")
+    bar.update(len(done_docs))
+    for index, doc in enumerate(docs):
+        if index in done_docs:
+            writer.flush()  # a shard never spans a document that another shard holds
+            continue
+        ids = tokenizer(doc.text, add_special_tokens=False).input_ids
+        if not ids:
+            status[index] = "skipped_empty"
+        elif 2 * len(ids) + overhead > s.max_context:
+            status[index] = "skipped_long"
+        else:
+            positions = sample_positions(len(ids), s.samples_per_doc, s.seed, index)
+            prompt = repeat_prompt(tokenizer, ids, pieces)
+            layers = oracle_scores(adapter, prompt, keep_hidden=positions, block=s.block)
+            plus = torch.stack([layer.kvzip_plus[:, positions].T for layer in layers], dim=1)  # (n, L, Hkv)
+            clamped += int((plus < LOG_FLOOR).sum())
+            hidden = torch.stack([layer.hidden for layer in layers if layer.hidden is not None], dim=1)  # (n, L, D)
+            writer.add(index, positions, hidden.cpu(), plus.clamp_min(LOG_FLOOR).log().cpu())
+            status[index] = "done"
+            tokens += prompt.input_ids.shape[1]
+            extracted += 1
+        bar.update(1, tok_per_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+    writer.flush()
+    bar.close()
+    elapsed = time.perf_counter() - start
+    return {"status": status, "extracted": extracted, "tokens": tokens, "clamped": clamped, "elapsed": elapsed}
+
+
+def write_manifest(
+    out_dir: Path,
+    docs: list[Document],
+    counts: dict[str, Any],
+    model: str,
+    layout: dict[str, Any],
+    corpus: dict[str, Any],
+) -> dict[str, Any]:
+    """Write the run's manifest.json (model, layout, corpus, documents, shards); return the run's metrics."""
+    shards = finished_shards(out_dir / "shards")
+    status = counts["status"]
+    tally = Counter(status.values())
+    if tally["done"] == 0:
+        raise KVResearchError(f"No document was extracted ({dict(tally)}); check the corpus config.")
+    documents = [
+        {
+            "index": i,
+            "doc_id": d.doc_id,
+            "source": d.source,
+            "split": d.split,
+            "n_tokens": d.n_tokens,
+            "status": status.get(i, "missing"),
+        }
+        for i, d in enumerate(docs)
+    ]
+    rows = sum(m["rows"] for m in shards)
+    manifest = {
+        "format": FORMAT,
+        "model": model,
+        "layout": layout,
+        "target": "log(KVzip+), single-pass repeat prompt, rows = repeated copy, softmax over all visible keys",
+        "corpus": corpus,
+        "documents": documents,
+        "shards": [{"name": m["name"], "rows": m["rows"], "documents": m["documents"]} for m in shards],
+        "rows": rows,
+    }
+    write_json(out_dir / "manifest.json", manifest)
+    splits = Counter(d["split"] for d in documents if d["status"] == "done")
+    return {
+        "documents_done": tally["done"],
+        "documents_train": splits["train"],
+        "documents_test": splits["test"],
+        "skipped_empty": tally["skipped_empty"],
+        "skipped_long": tally["skipped_long"],
+        "extracted_this_run": counts["extracted"],
+        "samples": rows,
+        "shards": len(shards),
+        "bytes": sum(f.stat().st_size for f in (out_dir / "shards").rglob("*.npy")),
+        "tokens_this_run": counts["tokens"],
+        "tokens_per_s": counts["tokens"] / counts["elapsed"] if counts["extracted"] else math.nan,
+        "clamped_scores": counts["clamped"],
+    }
+
+
+def verify(out_dir: Path) -> None:
+    """Raise naming what is wrong if a finished extract run lacks a shard or holds a damaged one."""
+    manifest = read_json(out_dir / "manifest.json", "Re-run extract: it rebuilds the manifest from its shards.")
+    shards = {m["name"]: m for m in finished_shards(out_dir / "shards", full=True)}
+    for entry in manifest.get("shards", []):
+        if entry["name"] not in shards:
+            raise KVResearchError(f"Shard {out_dir / 'shards' / entry['name']} is missing.")

@@ -1,0 +1,174 @@
+"""A loaded model as methods and evaluation see it: prefills into dense or ragged caches, greedy decoding.
+
+This module and ``cache.py`` hold the transformers cache objects; methods get keys and values as
+tensors from a :class:`Prefill` and hand back a ragged cache, so they never touch cache internals.
+
+Shapes: ids ``(1, T)``; keys and values per layer ``(kv_heads, T, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kvresearch.models.adapter import ModelAdapter
+from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.hooks import attention_inputs
+from kvresearch.prompts import Prompt
+
+
+@dataclass
+class Prefill:
+    """A dense prefill: the transformers cache and, if asked for, each layer's attention input h."""
+
+    cache: Any  # transformers DynamicCache holding the prefilled positions
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> h (1, T, hidden)
+    windows: list[int | None] | None = None
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``layer``: (kv_heads, T, head_dim) each."""
+        entry = self.cache.layers[layer]
+        assert entry.keys is not None and entry.values is not None, f"layer {layer} was not prefilled"
+        return entry.keys[0], entry.values[0]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers."""
+        return len(self.cache.layers)
+
+    def ragged(self, keep: list[list[torch.Tensor]] | None = None) -> RaggedCache:
+        """A ragged copy, keeping per layer and KV head only the indices ``keep[layer][head]`` (None: all)."""
+        return RaggedCache.from_layers([self.kv(i) for i in range(self.num_layers)], keep, self.windows)
+
+
+@dataclass
+class Session:
+    """A model with its adapter and tokenizer."""
+
+    adapter: ModelAdapter
+    tokenizer: Any
+
+    @property
+    def model(self) -> Any:
+        """The transformers model."""
+        return self.adapter.model
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are."""
+        return next(self.model.parameters()).device
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Sliding window of each layer (None for global layers)."""
+        return [layer.sliding_window for layer in self.adapter.layers]
+
+    def new_cache(self) -> RaggedCache:
+        """An empty ragged cache for this model."""
+        return RaggedCache(self.adapter.num_layers, self.windows)
+
+    @torch.no_grad()
+    def dense_prefill(self, ids: torch.Tensor, record_inputs: bool = False) -> Prefill:
+        """Prefill ``ids`` (1, T) into a dense cache; optionally record each layer's attention input h."""
+        prefill = Prefill(DynamicCache(), windows=self.windows)
+        with attention_inputs(self.adapter, prefill.inputs) if record_inputs else nullcontext():
+            self.model(input_ids=ids.to(self.device), past_key_values=prefill.cache, use_cache=True)
+        return prefill
+
+    @torch.no_grad()
+    def ragged_prefill(self, ids: torch.Tensor, cache: RaggedCache, chunk_size: int | None = None) -> None:
+        """Prefill ``ids`` (1, T) into a ragged cache, in chunks of ``chunk_size`` tokens (None: one pass)."""
+        step = chunk_size or ids.shape[1]
+        with ragged_attention_enabled(self.model):
+            for start in range(0, ids.shape[1], step):
+                self.model(
+                    input_ids=ids[:, start : start + step].to(self.device), past_key_values=cache, use_cache=True
+                )
+
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a generation."""
+        ids = self.model.generation_config.eos_token_id
+        found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            found.add(int(self.tokenizer.eos_token_id))
+        return found
+
+    @torch.no_grad()
+    def greedy(self, cache: Any, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
+        """Feed ``input_ids`` (1, Q) after ``cache`` and decode greedily; stops at an ``eos`` id (not returned)."""
+        model, out = self.model, []
+        logits = model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True).logits
+        for _ in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            if token in eos:
+                break
+            out.append(token)
+            step = torch.tensor([[token]], device=self.device)
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+        return out
+
+    @torch.no_grad()
+    def answer(
+        self,
+        cache: RaggedCache,
+        question_ids: torch.Tensor,
+        max_new_tokens: int,
+        decode_context: Callable[[RaggedCache], AbstractContextManager[Any]] | None = None,
+        stop: bool = True,
+    ) -> tuple[list[int], float]:
+        """Greedy answer after ``cache``, which is left untouched (a copy is extended); ``stop=False`` ignores EOS.
+
+        ``decode_context(copy)`` wraps decoding, for a method that also prunes while generating.
+        """
+        working = copy.deepcopy(cache)
+        eos = self.eos_ids() if stop else set()
+        start = time.perf_counter()
+        with ragged_attention_enabled(self.model), decode_context(working) if decode_context else nullcontext():
+            tokens = self.greedy(working, question_ids, max_new_tokens, eos)
+        return tokens, time.perf_counter() - start
+
+    @torch.no_grad()
+    def answer_nll(self, cache: RaggedCache, question_ids: torch.Tensor, answer_ids: list[int]) -> float:
+        """Mean negative log-likelihood per token of ``answer_ids`` after the question, under ``cache``."""
+        if not answer_ids:
+            return float("nan")
+        working = copy.deepcopy(cache)
+        ids = torch.cat([question_ids, torch.tensor([answer_ids])], dim=1).to(self.device)
+        with ragged_attention_enabled(self.model):
+            logits = self.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
+        n_q = question_ids.shape[1]
+        logprobs = torch.log_softmax(logits[n_q - 1 : -1].float(), dim=-1)
+        target = torch.tensor(answer_ids, device=logprobs.device)
+        return float(-logprobs.gather(1, target[:, None]).mean())
+
+
+@dataclass
+class Generation:
+    """A full-cache answer with its timings."""
+
+    token_ids: list[int]
+    prefill_s: float
+    decode_s: float
+    context_len: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding."""
+        return len(self.token_ids) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def dense_answer(session: Session, prompt: Prompt, max_new_tokens: int) -> Generation:
+    """Full-cache greedy answer in an ordinary dense cache, with prefill and decode timed separately."""
+    start = time.perf_counter()
+    cache = session.dense_prefill(prompt.context_ids).cache
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = session.greedy(cache, prompt.question_ids, max_new_tokens, session.eos_ids())
+    return Generation(tokens, prefill_s, time.perf_counter() - start, prompt.context_ids.shape[1])
