@@ -16,16 +16,15 @@ from omegaconf import DictConfig, OmegaConf
 from kvresearch.runs import RunContext, resolve_run, stage_main
 from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.modules import Surrogate
-from kvresearch.surrogate.training import train_surrogate
+from kvresearch.surrogate.training import Training, train_surrogate
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Fit, export, and score on the extract run's test documents."""
     data = ExtractRun(resolve_run(cfg.paths.extract, "extract", cfg.paths.root))
-    recipe = OmegaConf.to_container(cfg.surrogate, resolve=True)
-    trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    every = int(cfg.checkpoint_every_n_steps)
-    return train_surrogate(data, recipe, trainer, ctx.out_dir, ctx.tracker, int(cfg.seed), every)  # type: ignore[arg-type]
+    recipe, trainer = (OmegaConf.to_container(c, resolve=True) for c in (cfg.surrogate, cfg.trainer))
+    training = Training(recipe, trainer, int(cfg.seed), int(cfg.checkpoint_every_n_steps))  # type: ignore[arg-type]
+    return train_surrogate(data, training, ctx.out_dir, ctx.tracker)
 
 
 def verify(out_dir: Path) -> None:

@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +56,23 @@ def _checkpoint_to_resume(path: Path) -> int | None:
         ) from error
 
 
-def fit_sgd(
-    surrogate: Surrogate,
-    run: ExtractRun,
-    recipe: Mapping[str, Any],
-    trainer_options: Mapping[str, Any],
-    out_dir: Path,
-    tracker: Tracker,
-    seed: int,
-    every_n_steps: int,
-) -> dict[str, Any]:
-    """Train with Lightning (``recipe``: the surrogate config), resuming from ``out_dir/ckpt/last.ckpt``."""
+@dataclass
+class Training:
+    """How to train: a recipe, extra Trainer arguments, the seed, the checkpoint interval.
+
+    ``recipe`` is a ``conf/surrogate/`` config; ``trainer`` extra ``lightning.Trainer`` keyword arguments;
+    ``every_n_steps`` the checkpoint interval in optimizer steps (0: only at epoch ends).
+    """
+
+    recipe: Mapping[str, Any]
+    trainer: Mapping[str, Any]
+    seed: int
+    every_n_steps: int
+
+
+def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, tracker: Tracker) -> dict[str, Any]:
+    """Train with Lightning, resuming from ``out_dir/ckpt/last.ckpt``; the final train and validation MSE."""
+    recipe, seed = t.recipe, t.seed
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner lines per run
     L.seed_everything(seed, workers=True, verbose=False)
     data = ShardDataModule(run, int(recipe["batch_size"]), float(recipe["val_fraction"]), seed)
@@ -76,11 +83,11 @@ def fit_sgd(
         gradient_clip_val=float(recipe["grad_clip"]),
         default_root_dir=str(out_dir),
         logger=TrackerLogger(tracker),
-        callbacks=[Checkpoints(last, every_n_steps)],
+        callbacks=[Checkpoints(last, t.every_n_steps)],
         enable_checkpointing=False,
         enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
-        **dict(trainer_options),
+        **dict(t.trainer),
     )
     resumed_from = _checkpoint_to_resume(last)
     trainer.fit(module, datamodule=data, ckpt_path=str(last) if resumed_from is not None else None)
@@ -109,20 +116,9 @@ def plot_r2(r2_per_layer: list[float], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def train_surrogate(
-    data: ExtractRun,
-    recipe: Mapping[str, Any],
-    trainer_options: Mapping[str, Any],
-    out_dir: Path,
-    tracker: Tracker,
-    seed: int,
-    every_n_steps: int,
-) -> dict[str, Any]:
-    """Fit a surrogate, export it (ours and kvpress's) and score it on the test documents; the run's metrics.
-
-    ``recipe`` is a ``conf/surrogate/`` config; ``trainer_options`` extra ``lightning.Trainer`` arguments.
-    """
-    layout = data.layout
+def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Tracker) -> dict[str, Any]:
+    """Fit a surrogate, export it (ours and kvpress's) and score it on the test documents; the run's metrics."""
+    recipe, seed, layout = t.recipe, t.seed, data.layout
     kind, fit = str(recipe["kind"]), str(recipe["fit"])
     config = SurrogateConfig(kind, layout["layers"], layout["hidden"], layout["kv_heads"], model=data.model)
     torch.manual_seed(seed)
@@ -135,7 +131,7 @@ def train_surrogate(
         fit_ridge(surrogate, data, data.rows_of(documents["train"] | documents["val"]), float(recipe["alpha"]))
         training: dict[str, Any] = {}
     elif fit == "sgd":
-        training = fit_sgd(surrogate, data, recipe, trainer_options, out_dir, tracker, seed, every_n_steps)
+        training = fit_sgd(surrogate, data, t, out_dir, tracker)
     else:
         raise KVResearchError(f"surrogate.fit must be 'sgd' or 'ridge', got {fit!r}")
     train_s = time.perf_counter() - start
