@@ -20,18 +20,19 @@ import hashlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvresearch.answering import Answer, Settings, check_lengths, prompts_of, respond
 from kvresearch.benchmarks.metrics import METRICS
-from kvresearch.benchmarks.sample import Sample
+from kvresearch.benchmarks.sample import Question, Sample
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import FullCache, Method
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session
 from kvresearch.progress import Progress
-from kvresearch.prompts import Prompt, build_prompt
+from kvresearch.prompts import Prompt
 from kvresearch.runs import is_done, read_json, resolve_run, sibling_runs, write_atomic
 from kvresearch.tracking import Tracker
 
@@ -39,65 +40,15 @@ ANSWER_GROUPS = ("model", "benchmark", "evaluate")  # what a full-cache answer d
 REQUIRED = ("id", "group", "task", "prediction", "score", "answer_ids", "prompt_sha1", "prune_ratio")
 
 
-@dataclass
-class Settings:
-    """How a run answers: the evaluate config plus the model's position limit."""
-
-    query_aware: bool = False
-    fidelity: bool = True
-    max_new_tokens: int | None = None  # cap on each question's own generation length
-    max_context: int | None = None  # the model's positions: longer prompts are refused
-
-    @classmethod
-    def from_config(cls, evaluate: Mapping[str, Any], model: Mapping[str, Any]) -> Settings:
-        """From the ``evaluate`` and ``model`` config groups."""
-        cap = evaluate.get("max_new_tokens")
-        return cls(
-            bool(evaluate["query_aware"]),
-            bool(evaluate["fidelity"]),
-            int(cap) if cap else None,
-            model.get("max_context"),
-        )
-
-    def new_tokens(self, asked: int) -> int:
-        """Tokens to generate for a question that asks for ``asked``."""
-        return min(asked, self.max_new_tokens) if self.max_new_tokens else asked
+def mode(question: Question, settings: Settings) -> str:
+    """How the question is answered: ``generate``, or ``loglikelihood`` for a scored choice question."""
+    return settings.choices if question.choices else "generate"
 
 
-def prompts_of(tokenizer: Any, sample: Sample, query_aware: bool) -> list[Prompt]:
-    """One prompt per question; query-aware prompts put the question inside the compressed part."""
-    out = []
-    for q in sample.questions:
-        if query_aware:
-            out.append(build_prompt(tokenizer, sample.context + "\n" + q.text, "", q.answer_prefix))
-        else:
-            out.append(build_prompt(tokenizer, sample.context, q.text, q.answer_prefix))
-    return out
-
-
-def check_lengths(samples: list[Sample], prompts: list[list[Prompt]], settings: Settings) -> None:
-    """Refuse samples whose prompt and answer exceed the model's positions (this benchmark defines no truncation)."""
-    if not settings.max_context:
-        return
-    too_long = [
-        (s.record_id(i), p.context_ids.shape[1], p.question_ids.shape[1], settings.new_tokens(q.max_new_tokens))
-        for s, ps in zip(samples, prompts, strict=True)
-        for i, (q, p) in enumerate(zip(s.questions, ps, strict=True))
-        if p.n_tokens + settings.new_tokens(q.max_new_tokens) > settings.max_context
-    ]
-    if too_long:
-        rid, ctx, question, new = too_long[0]
-        raise KVResearchError(
-            f"{len(too_long)} answer(s) would not fit model.max_context={settings.max_context}: {rid} needs "
-            f"{ctx + question + new} positions (context {ctx} + question {question} + up to {new} new tokens). "
-            "This benchmark defines no truncation, so nothing was cut: lower benchmark.lengths (or "
-            "evaluate.max_new_tokens), or use a model with more positions."
-        )
-
-
-def prompt_sha1(prompt: Prompt, max_new_tokens: int) -> str:
-    """A hash of what a full-cache answer depends on: the ids and the generation length."""
-    payload = json.dumps([prompt.context_ids.tolist(), prompt.question_ids.tolist(), max_new_tokens])
+def prompt_sha1(prompt: Prompt, max_new_tokens: int, how: str = "generate") -> str:
+    """A hash of what a full-cache answer depends on: the ids, the generation length, the answer mode."""
+    extra = [] if how == "generate" else [how]
+    payload = json.dumps([prompt.context_ids.tolist(), prompt.question_ids.tolist(), max_new_tokens, *extra])
     return hashlib.sha1(payload.encode()).hexdigest()
 
 
@@ -184,7 +135,7 @@ def evaluate(
 ) -> list[dict[str, Any]]:
     """Answer every question of ``samples`` with ``method``; return all records (resumed ones included)."""
     tokenizer = session.tokenizer
-    prompts = [prompts_of(tokenizer, s, settings.query_aware) for s in samples]
+    prompts = [prompts_of(tokenizer, s, settings) for s in samples]
     check_lengths(samples, prompts, settings)
     predictions = Predictions(out_dir / "predictions.jsonl")
     done = predictions.load()
@@ -192,41 +143,53 @@ def evaluate(
     for sample, sample_prompts in zip(samples, prompts, strict=True):
         todo = [i for i in range(len(sample.questions)) if sample.record_id(i) not in done]
         cache, compress_s = None, 0.0
+        full: dict[str, RaggedCache] = {}  # the full cache, built once per context if the answers need it
         for i in todo:
             prompt, question = sample_prompts[i], sample.questions[i]
             if cache is None or settings.query_aware:
                 start = time.perf_counter()
                 cache = method.compress(session, prompt)
                 compress_s = time.perf_counter() - start
-            max_new = settings.new_tokens(question.max_new_tokens)
-            tokens, decode_s = session.answer(
-                cache, prompt.question_ids, max_new, lambda c: method.decode_context(session, c)
-            )
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
+                full.clear()
+
+            def full_cache(p: Prompt = prompt, built: dict[str, RaggedCache] = full) -> RaggedCache:
+                if "cache" not in built:
+                    built["cache"] = FullCache().compress(session, p)
+                return built["cache"]
+
+            decode = lambda c: method.decode_context(session, c)
+            answer = respond(session, cache, prompt, question, settings, decode)
             stats = cache.stats()
             record: dict[str, Any] = {
                 "id": sample.record_id(i),
                 "group": sample.group,
                 "task": sample.task,
                 "question": i,
-                "prediction": text,
+                "prediction": answer.text,
                 "answer": list(question.references),
-                "score": METRICS[sample.metric](text, list(question.references)),
-                "answer_ids": tokens,
-                "prompt_sha1": prompt_sha1(prompt, max_new),
+                "score": score(sample, question, answer),
+                "answer_ids": answer.tokens,
+                "prompt_sha1": prompt_sha1(
+                    prompt, settings.new_tokens(question.max_new_tokens), mode(question, settings)
+                ),
+                "prompt_tokens": prompt.n_tokens,
                 "compress_s": compress_s,
-                "decode_s": decode_s,
-                "new_tokens": len(tokens),
+                "decode_s": answer.seconds,
+                "new_tokens": len(answer.tokens),
                 "prune_ratio": stats["prune_ratio"],
                 "kv_bytes_dense": stats["kv_bytes"]["dense"],
                 "kv_bytes_kept": stats["kv_bytes"]["kept"],
+                "tags": question.tags,
+                **answer.extra,
             }
+            if "acc_norm_choice" in answer.extra:
+                record["acc_norm"] = float(answer.extra["acc_norm_choice"] in question.references)
             report = {k: v for k, v in method.report().items() if k != "per_layer_head"}
             if report:
                 record["method_report"] = report
             if settings.fidelity:
-                ref, source = _full_answer(session, method, prompt, max_new, record, reference)
-                record["agrees_with_full"] = tokens == ref
+                ref, source = _full_answer(session, method, full_cache, prompt, question, settings, record, reference)
+                record["agrees_with_full"] = answer.tokens == ref
                 record["full_answer_nll"] = session.answer_nll(cache, prompt.question_ids, ref)
                 record["full_answer_from"] = source
             predictions.append(record)
@@ -239,11 +202,21 @@ def evaluate(
     return [r for rid, r in done.items() if rid in wanted]
 
 
+def score(sample: Sample, question: Question, answer: Answer) -> float:
+    """The answer's score: the benchmark's metric, or whether the chosen option is the right one."""
+    if "option_logprobs" in answer.extra:
+        return float(answer.text in question.references)
+    options = {"options": len(question.choices)} if question.choices else {}
+    return METRICS[sample.metric](answer.text, list(question.references), **sample.metric_options, **options)
+
+
 def _full_answer(
     session: Session,
     method: Method,
+    full_cache: Callable[[], RaggedCache],
     prompt: Prompt,
-    max_new: int,
+    question: Question,
+    settings: Settings,
     record: dict[str, Any],
     reference: dict[str, dict[str, Any]] | None,
 ) -> tuple[list[int], str]:
@@ -258,13 +231,11 @@ def _full_answer(
                 "generation length than this run's: re-run the method=full run with force=true."
             )
         return list(known["answer_ids"]), "reference_run"
-    full = FullCache()
-    tokens, _ = session.answer(full.compress(session, prompt), prompt.question_ids, max_new)
-    return tokens, "computed"
+    return respond(session, full_cache(), prompt, question, settings).tokens, "computed"
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means per group (``task@length``) and overall; scores x 100 like RULER."""
+    """Means overall, per group (``task@length``) and per tag value (difficulty, length bucket); scores x 100."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         groups[r["group"]].append(r)
@@ -284,13 +255,24 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "kv_bytes_dense": mean(rows, "kv_bytes_dense"),
             "compress_s": mean(rows, "compress_s"),
             "decode_s": mean(rows, "decode_s"),
+            "prompt_tokens": mean(rows, "prompt_tokens"),
+            **({"acc_norm": 100 * (mean(rows, "acc_norm") or 0.0)} if any("acc_norm" in r for r in rows) else {}),
         }
 
     sources: dict[str, int] = defaultdict(int)
     for r in records:
         sources[r.get("full_answer_from", "none")] += 1
+    tagged: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        for tag, value in (r.get("tags") or {}).items():
+            tagged[tag][str(value)].append(r)
     return {
         "overall": block(records),
         "tasks": {group: block(rows) for group, rows in sorted(groups.items())},
+        **(
+            {"by_tag": {t: {v: block(rs) for v, rs in sorted(vs.items())} for t, vs in tagged.items()}}
+            if tagged
+            else {}
+        ),
         "full_answers_from": dict(sources),
     }

@@ -80,9 +80,13 @@ class Settings:
     def from_config(cls, extract: Mapping[str, Any], seed: int, max_context: int) -> Settings:
         """From the ``extract`` group, the run's seed and the model's positions."""
         return cls(
-            int(extract["samples_per_doc"]), str(extract["hidden_dtype"]), int(extract["rows_per_shard"]),
-            int(extract["block"]), int(seed), int(max_context),
-        )  # fmt: skip
+            int(extract["samples_per_doc"]),
+            str(extract["hidden_dtype"]),
+            int(extract["rows_per_shard"]),
+            int(extract["block"]),
+            int(seed),
+            int(max_context),
+        )
 
 
 def extract(adapter: ModelAdapter, tokenizer: Any, docs: list[Document], out_dir: Path, s: Settings) -> dict[str, Any]:

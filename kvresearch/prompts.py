@@ -1,9 +1,12 @@
 """Prompt layout: the one place that splits a chat template around a context.
 
-Two layouts, both built from ids of separately tokenised pieces so that spans are exact:
+Layouts, all built from ids of separately tokenised pieces so that spans are exact:
 
-* question prompt (evaluation, kvpress's pipeline): ``head | context`` is what a method may compress;
-  ``question + end of user turn + assistant header + answer prefix`` is fed after it;
+* question prompt, ``one_turn`` (evaluation, kvpress's pipeline): ``head | context`` is what a method may
+  compress; ``question + end of user turn + assistant header + answer prefix`` is fed after it;
+  ``two_turns`` (the Attention Matching code's layout): the context is a whole first user turn
+  (``head | context | end of turn``), the question a second user turn; ``plain``: no chat template
+  (LongBench's rule for its few-shot and code tasks); any of them with an optional system prompt;
 * repeat prompt (KVzip's oracle, Attention Matching's repeat-prefill queries):
   ``head | context | instruction + middle | context``, the second copy teacher-forced as the answer.
 
@@ -49,16 +52,75 @@ class Prompt:
         return int(self.context_ids.shape[1] + self.question_ids.shape[1])
 
 
-def build_prompt(tokenizer: Any, context: str, question: str, answer_prefix: str = "") -> Prompt:
-    """Chat-template ``context`` + ``question``; return the context part and the question part as ids."""
-    if getattr(tokenizer, "chat_template", None):
-        head, _, tail = _split_chat(tokenizer, [{"role": "user", "content": _MARK + context + _MARK}], True)
-    else:
-        head, tail = "", "\n"
-    head_ids = _encode(tokenizer, head)  # tokenised apart from the context, as in the repeat prompt
-    context_ids = torch.tensor([head_ids + _encode(tokenizer, context)])
-    question_ids = torch.tensor([_encode(tokenizer, question + tail + answer_prefix)])
-    return Prompt(context_ids, question_ids, len(head_ids))
+@dataclass
+class _Layout:
+    """The text around a context and a question: ``head + context + end``, then ``opener + question + tail``."""
+
+    head: str = ""
+    end: str = ""
+    opener: str = ""
+    tail: str = ""
+
+
+def _layout(tokenizer: Any, layout: str, system: str | None, context: str, question: str) -> _Layout:
+    if layout == "plain":
+        return _Layout()
+    if not getattr(tokenizer, "chat_template", None):
+        return _Layout(tail="\n")
+    before = [{"role": "system", "content": system}] if system else []
+    marked = [*before, {"role": "user", "content": _MARK + context + _MARK}]
+    if layout == "one_turn":
+        head, _, tail = _split_chat(tokenizer, marked, True)
+        return _Layout(head=head, tail=tail)
+    head, _, end = _split_chat(tokenizer, marked, False)
+    turns = [*before, {"role": "user", "content": context}, {"role": "user", "content": _MARK + question + _MARK}]
+    full, _, tail = _split_chat(tokenizer, turns, True)
+    first = head + context + end
+    if not full.startswith(first):
+        raise ValueError("this chat template does not render the first turn as a prefix of the two turns")
+    return _Layout(head, end, full[len(first) :], tail)
+
+
+def build_prompt(
+    tokenizer: Any,
+    context: str,
+    question: str,
+    answer_prefix: str = "",
+    layout: str = "one_turn",
+    system: str | None = None,
+) -> Prompt:
+    """Lay out ``context`` and ``question`` (see the module docstring); return both parts as ids."""
+    parts = _layout(tokenizer, layout, system, context, question)
+    head_ids = _encode(tokenizer, parts.head)  # tokenised apart from the context, as in the repeat prompt
+    context_ids = head_ids + _encode(tokenizer, context) + (_encode(tokenizer, parts.end) if parts.end else [])
+    question_ids = _encode(tokenizer, parts.opener + question + parts.tail + answer_prefix)
+    return Prompt(torch.tensor([context_ids]), torch.tensor([question_ids]), len(head_ids))
+
+
+def template_tokens(tokenizer: Any, layout: str = "one_turn", system: str | None = None) -> int:
+    """Tokens the chat template adds around a context and a question."""
+    prompt = build_prompt(tokenizer, "", "", "", layout, system)
+    return prompt.n_tokens
+
+
+def truncate_middle(tokenizer: Any, context: str, question: str, budget: int) -> str:
+    """``context`` cut in its middle so that context + question fit ``budget`` tokens, as LongBench cuts.
+
+    LongBench keeps the first and the last ``budget // 2`` tokens of the whole prompt (the template filled
+    with context and question) and decodes them; the question, at the end, survives whole. When the
+    question alone passes half the budget, the context alone is cut around its middle instead.
+    """
+    ids = _encode(tokenizer, context + question)
+    if len(ids) <= budget:
+        return context
+    half = budget // 2
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
+    text = decode(ids[:half]) + decode(ids[len(ids) - half :])
+    if text.endswith(question):
+        return text[: len(text) - len(question)]
+    context_ids = _encode(tokenizer, context)
+    keep = max(budget - len(_encode(tokenizer, question)), 0)
+    return decode(context_ids[: keep // 2]) + decode(context_ids[len(context_ids) - (keep - keep // 2) :])
 
 
 @dataclass

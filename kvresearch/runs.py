@@ -204,6 +204,7 @@ def _register_resolvers() -> None:
     resolvers: dict[str, Callable[..., Any]] = {
         "kvr.repo_root": lambda: str(repo_root()),
         "kvr.outputs_root": lambda: str(outputs_root()),
+        "kvr.data": lambda name: str(PACKAGE_DIR / "benchmarks" / "data" / name),  # vendored benchmark data
         "kvr.run_name": run_name,
         "kvr.unless_set": _unless_set,
     }

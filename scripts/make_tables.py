@@ -1,11 +1,13 @@
-"""Every finished evaluate run under outputs/ into a Markdown table and a score-vs-prune-ratio plot.
+"""Every finished evaluate run under outputs/ into one Markdown table and one plot per benchmark.
 
     .venv/bin/python scripts/make_tables.py [--root outputs] [--out docs/results]
 
-Writes ``<out>/ruler_table.md`` (method x setting x task, with the measured prune ratio) and
-``<out>/ruler_curve.png`` (mean score against mean prune ratio, one line per method, like the KVzap
-paper's RULER figure). Reads run folders only: each run's metrics.json records its method (``describe()``:
-name, budget label, options) and the overrides it was run with.
+Writes ``<out>/<benchmark>_table.md`` (method x setting x task: answers, measured prune ratio, score with
+its bootstrap 95% interval, agreement with the full cache, NLL of the full-cache answer) and
+``<out>/<benchmark>_curve.png`` (score against prune ratio, one line per method, like the KVzap paper's
+figures). Reads run folders only: each run's metrics.json records its method (``describe()``: name, budget
+label, options), its benchmark settings and its overrides; predictions.jsonl the per-answer scores.
+A benchmark run on the vendored offline files is labelled a subset.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvresearch.runs import outputs_root
+from kvresearch.stats import bootstrap_mean
 
 BUDGET_KEYS = {"keep_ratio", "threshold"}  # shown by the budget label
 
@@ -31,28 +34,54 @@ def setting(m: dict) -> str:
 
 
 def load(root: Path) -> list[dict]:
-    """metrics.json of every finished evaluate run under ``root``."""
-    return [json.loads((done.parent / "metrics.json").read_text()) for done in sorted(root.glob("evaluate/*/DONE"))]
+    """metrics.json of every finished evaluate run under ``root``, with its per-answer scores."""
+    runs = []
+    for done in sorted(root.glob("evaluate/*/DONE")):
+        metrics = json.loads((done.parent / "metrics.json").read_text())
+        lines = (done.parent / "predictions.jsonl").read_text().splitlines()
+        metrics["scores"] = [float(json.loads(line)["score"]) for line in lines if line.strip()]
+        runs.append(metrics)
+    return runs
+
+
+def subset_note(run: dict) -> str:
+    """A line saying the table is on a vendored subset, when it is."""
+    bench = run["benchmark"]
+    folder = str((bench.get("files") or {}).get("folder") or "")
+    if bench.get("source") == "files" and "/benchmarks/data/" in folder:
+        return (
+            f"{bench['name']} on the vendored offline files (a subset, see {folder.split('kvresearch/')[-1]}/"
+            "PROVENANCE.md): not comparable with published numbers.\n\n"
+        )
+    return ""
 
 
 def table(runs: list[dict]) -> str:
+    """The Markdown table of one benchmark's runs."""
     tasks = sorted({t for r in runs for t in r["tasks"]})
-    header = "| method | setting | prune ratio | " + " | ".join(tasks) + " | mean | agreement | NLL of full answer |"
-    lines = [header, "|" + "---|" * (6 + len(tasks))]
+    header = (
+        "| method | setting | answers | prune ratio | " + " | ".join(tasks)
+        + " | mean | 95% CI | agreement | NLL of full answer |"
+    )  # fmt: skip
+    lines = [header, "|" + "---|" * (8 + len(tasks))]
     name_of = lambda r: r["method"]["name"]
     order = sorted(runs, key=lambda r: (name_of(r) != "full", name_of(r), r["overall"]["prune_ratio"] or 0))
     for r in order:
         o, name = r["overall"], r["method"]["name"]
         cells = " | ".join(f"{r['tasks'][t]['score']:.1f}" if t in r["tasks"] else "" for t in tasks)
+        ci = bootstrap_mean(r["scores"]).scaled(100)
+        interval = "" if ci.n < 2 else f"[{ci.low:.1f}, {ci.high:.1f}]"
         agree = "" if o["agreement"] is None else f"{o['agreement']:.2f}"
         nll = "" if o["full_answer_nll"] is None else f"{o['full_answer_nll']:.3f}"
         lines.append(
-            f"| {name} | {setting(r)} | {o['prune_ratio']:.2f} | {cells} | {o['score']:.1f} | {agree} | {nll} |"
+            f"| {name} | {setting(r)} | {o['samples']} | {o['prune_ratio']:.2f} | {cells} | {o['score']:.1f} | "
+            f"{interval} | {agree} | {nll} |"
         )
-    return "\n".join(lines) + "\n"
+    return subset_note(runs[0]) + "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, benchmark: str) -> None:
+    """Score against measured prune ratio, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,7 +95,7 @@ def plot(runs: list[dict], path: Path) -> None:
         points.sort()
         xs, ys = zip(*points, strict=True)
         ax.plot(xs, ys, marker="o", label=method, linestyle="-" if len(points) > 1 else "none")
-    ax.set(xlabel="prune ratio (share of KV pairs evicted)", ylabel="RULER score", xlim=(-0.02, 1.0))
+    ax.set(xlabel="prune ratio (share of KV pairs evicted)", ylabel=f"{benchmark} score", xlim=(-0.02, 1.0))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -84,11 +113,15 @@ def main() -> None:
         raise SystemExit(f"no finished evaluate run under {args.root}/evaluate; run make evaluate first")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(runs)
-    (out / "ruler_table.md").write_text(text)
-    plot(runs, out / "ruler_curve.png")
-    print(text)
-    print(f"wrote {out / 'ruler_table.md'} and {out / 'ruler_curve.png'}")
+    by_benchmark: dict[str, list[dict]] = defaultdict(list)
+    for run in runs:
+        by_benchmark[run["benchmark"]["name"]].append(run)
+    for name, group in sorted(by_benchmark.items()):
+        text = table(group)
+        (out / f"{name}_table.md").write_text(text)
+        plot(group, out / f"{name}_curve.png", name)
+        print(text)
+        print(f"wrote {out / f'{name}_table.md'} and {out / f'{name}_curve.png'}")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,40 @@ REPO = PACKAGE_DIR.parent
 MODULES = sorted(PACKAGE_DIR.rglob("*.py"))
 # Floors, bottom up: a module imports from its own floor or below, never above.
 FLOORS = {
-    "errors": 0, "progress": 0, "tracking": 0, "prompts": 0,
-    "ops": 1, "runs": 1, "data": 1, "models": 1, "benchmarks": 1,
-    "capture": 2, "surrogate": 2,
-    "methods": 3, "extraction": 3, "evaluation": 3,
+    "errors": 0,
+    "progress": 0,
+    "tracking": 0,
+    "prompts": 0,
+    "stats": 0,
+    "ops": 1,
+    "runs": 1,
+    "data": 1,
+    "models": 1,
+    "benchmarks": 1,
+    "capture": 2,
+    "surrogate": 2,
+    "methods": 3,
+    "answering": 3,
+    "extraction": 3,
+    "evaluation": 3,
     "stages": 4,
-}  # fmt: skip
-FILE_IO = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "load", "save", "from_pretrained",
-           "load_file", "save_file", "load_dataset", "mkdir", "unlink", "Path"}  # fmt: skip
+}
+FILE_IO = {
+    "open",
+    "read_text",
+    "write_text",
+    "read_bytes",
+    "write_bytes",
+    "load",
+    "save",
+    "from_pretrained",
+    "load_file",
+    "save_file",
+    "load_dataset",
+    "mkdir",
+    "unlink",
+    "Path",
+}
 
 
 def imports(path: Path) -> list[str]:

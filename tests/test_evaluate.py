@@ -25,9 +25,9 @@ SMALL = [
 ]
 
 
-def evaluate(root: Path, *overrides: str, out_dir: Path | None = None) -> dict:
+def evaluate(root: Path, *overrides: str, base: tuple[str, ...] = tuple(SMALL)) -> dict:
     """One evaluate run under ``root`` (its folder named from the overrides, as Hydra names it)."""
-    return execute(compose_stage("evaluate", out_dir, [*SMALL, f"paths.root={root}", *overrides]), run)
+    return execute(compose_stage("evaluate", None, [*base, f"paths.root={root}", *overrides]), run)
 
 
 def lines(folder: Path) -> list[dict]:
@@ -82,7 +82,8 @@ def test_kvzap_takes_full_answers_from_the_sibling_full_run_and_tables_read_the_
     )
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "t" / "ruler_table.md").read_text()
-    assert "| full | - | 0.00 |" in text and "| kvzap_mlp | tau=0, window=16 |" in text  # options off the config shown
+    assert "| full | - | 2 | 0.00 |" in text and "| kvzap_mlp | tau=0, window=16 | 2 |" in text  # options shown
+    assert "| mean | 95% CI | agreement |" in text
     assert (tmp_path / "t" / "ruler_curve.png").stat().st_size > 1000
 
 
@@ -102,7 +103,7 @@ def test_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> Non
 
 
 def test_a_context_longer_than_the_model_is_refused_before_any_work(tmp_path: Path) -> None:
-    with pytest.raises(KVResearchError, match=r"would not fit model\.max_context=512: niah_single_1@1024#0 needs"):
+    with pytest.raises(KVResearchError, match=r"would not fit the budget of 512 positions .*niah_single_1@1024#0"):
         evaluate(tmp_path, "method=full", "model.max_context=512")
     assert not list((tmp_path / "evaluate").glob("*/predictions.jsonl"))
 
@@ -118,3 +119,61 @@ def test_force_starts_over_and_damaged_metrics_beside_done_are_rebuilt(tmp_path:
     (folder / "predictions.jsonl").write_text("")
     forced = evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5", "force=true")
     assert forced["overall"]["samples"] == 2 and len(lines(folder)) == 2
+
+
+TINY = ("model=tiny_random",)
+QUALITY = [
+    "benchmark=quality",
+    "benchmark.max_documents=1",
+    "benchmark.truncate=middle",
+    "benchmark.max_prompt_tokens=512",
+]
+
+
+def test_a_document_with_many_questions_is_compressed_once_and_truncated_to_the_budget(tmp_path: Path) -> None:
+    metrics = evaluate(
+        tmp_path, "method=snapkv", *QUALITY, "evaluate.max_new_tokens=4", "evaluate.fidelity=false", base=TINY
+    )
+    records = lines(tmp_path / "evaluate" / metrics["run"]["name"])
+    assert len(records) == 16 and [r["id"] for r in records[:2]] == ["quality#0/0", "quality#0/1"]
+    assert len({r["compress_s"] for r in records}) == 1  # one compression, every question from its own copy
+    assert len({r["prune_ratio"] for r in records}) == 1 and max(r["prompt_tokens"] for r in records) + 4 <= 512
+    assert metrics["overall"]["samples"] == 16 and metrics["tasks"]["quality"]["samples"] == 16
+
+
+def test_choices_scored_by_loglikelihood_equal_a_dense_forward_pass(tmp_path: Path, tiny) -> None:
+    import torch
+
+    from kvresearch.answering import Settings, prompts_of
+    from kvresearch.benchmarks.loader import load_samples
+
+    metrics = evaluate(tmp_path, "method=full", *QUALITY, "evaluate.choices=loglikelihood", base=TINY)
+    record = lines(tmp_path / "evaluate" / metrics["run"]["name"])[0]
+    assert record["prediction"] in "ABCD" and len(record["option_logprobs"]) == 4 and "acc_norm" in metrics["overall"]
+    assert record["prediction"] == "ABCD"[max(range(4), key=record["option_logprobs"].__getitem__)]
+    cfg = compose_stage("evaluate", tmp_path / "x", [*TINY, *QUALITY])
+    sample = load_samples(cfg.benchmark, tiny.tokenizer)[0]
+    prompt = prompts_of(tiny.tokenizer, sample, Settings.from_config(cfg.evaluate, cfg.model, cfg.benchmark))[0]
+    for option, ours in zip(sample.questions[0].choices, record["option_logprobs"], strict=True):
+        target = tiny.tokenizer(" " + option, add_special_tokens=False).input_ids
+        ids = torch.cat([prompt.context_ids, prompt.question_ids, torch.tensor([target])], dim=1)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(tiny.model(ids).logits[0].double(), -1)
+        start = ids.shape[1] - len(target)
+        dense = sum(float(logprobs[start - 1 + i, t]) for i, t in enumerate(target))
+        assert ours == pytest.approx(dense, abs=1e-3)
+
+
+def test_longbench_v2_chain_of_thought_is_answered_in_a_second_step_without_the_document(tmp_path: Path) -> None:
+    overrides = [
+        "benchmark=longbench_v2",
+        "benchmark.prompt=0shot_cot",
+        "benchmark.samples_per_task=1",
+        "benchmark.max_prompt_tokens=512",
+        "evaluate.max_new_tokens=6",
+    ]
+    metrics = evaluate(tmp_path, "method=streaming_llm", *overrides, base=TINY)
+    (record,) = lines(tmp_path / "evaluate" / metrics["run"]["name"])
+    assert record["new_tokens"] <= 6 and "chain_of_thought" in record  # the compressed cache produced the CoT
+    assert record["score"] == float(record["prediction"].count("The correct answer is") > 0 and record["score"])
+    assert set(metrics["by_tag"]) == {"difficulty", "length", "domain"}

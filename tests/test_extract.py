@@ -74,11 +74,20 @@ def test_extract_refuses_documents_longer_than_the_model(tmp_path: Path) -> None
 
 
 def test_cap_documents_keeps_test_and_train_in_proportion_taking_sources_in_turn() -> None:
-    docs = [Document(f"{src}/{split}/{i}", src, split, "x", 1) for split, n in (("test", 4), ("train", 16))
-            for src in ("a", "b") for i in range(n // 2)]  # fmt: skip
+    docs = [
+        Document(f"{src}/{split}/{i}", src, split, "x", 1)
+        for split, n in (("test", 4), ("train", 16))
+        for src in ("a", "b")
+        for i in range(n // 2)
+    ]
     capped = cap_documents(docs, 5)
-    assert [(d.split, d.source) for d in capped] == [("test", "a"), ("train", "a"), ("train", "b"), ("train", "a"),
-                                                     ("train", "b")]  # fmt: skip
+    assert [(d.split, d.source) for d in capped] == [
+        ("test", "a"),
+        ("train", "a"),
+        ("train", "b"),
+        ("train", "a"),
+        ("train", "b"),
+    ]
     assert cap_documents(docs, None) == docs and cap_documents(docs, 100) == docs
 
 

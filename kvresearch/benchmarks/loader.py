@@ -1,16 +1,19 @@
 """Samples from a benchmark config (``conf/benchmark/<name>.yaml``): one entry point per source kind.
 
 * ``generate``: the config's ``generator`` (a dotted path) makes the samples, e.g. RULER over packaged data;
-* ``hub``: rows of a Hugging Face dataset (``hub.path``, the length as config name where the benchmark has
-  lengths, ``hub.split``), turned into samples by the config's ``rows`` function;
-* ``files``: the same rows from local parquet or JSON Lines files (``files``: a folder of
-  ``<length>.parquet``, a path with ``{length}``, or one file), for users without the hub and for
-  tests of the hub schema.
+* ``hub``: a Hugging Face dataset (``hub.path``, ``hub.split``), one dataset config per part
+  (``hub.configs``: RULER's lengths, LongBench's tasks; null for one);
+* ``files``: the same rows from local files, ``files.folder/<part>.jsonl`` (or ``.json``, ``.parquet``)
+  for each part of ``files.names``: the vendored offline copies, and the hub's schema for tests.
+
+For hub and files, the config's ``rows`` function (a dotted path) turns one part's rows into samples:
+``rows(rows, cfg, part)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +22,13 @@ from hydra.utils import get_method
 from kvresearch.benchmarks.sample import Sample
 from kvresearch.errors import KVResearchError
 
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
 
 def _function(cfg: Mapping[str, Any], key: str) -> Callable[..., Any]:
     if not cfg.get(key):
         raise KVResearchError(f"benchmark '{cfg['name']}' (source={cfg['source']}) needs '{key}' in its config.")
     return get_method(str(cfg[key]))
-
-
-def _lengths(cfg: Mapping[str, Any]) -> list[int | None]:
-    return [int(n) for n in cfg["lengths"]] if cfg.get("lengths") else [None]
 
 
 def generated(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
@@ -36,54 +37,55 @@ def generated(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
 
 
 def from_hub(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
-    """``source: hub``: a Hugging Face dataset, one config per length where the benchmark has lengths."""
+    """``source: hub``: a Hugging Face dataset, one dataset config per part."""
     from datasets import load_dataset
 
     hub = cfg.get("hub") or {}
     samples: list[Sample] = []
-    for length in _lengths(cfg):
-        name = None if length is None else str(length)
+    for part in hub.get("configs") or [None]:
+        name = None if part is None else str(part)
         try:
             rows = load_dataset(str(hub["path"]), name, split=str(hub.get("split", "test")))
         except Exception as error:  # the hub raises many types; all mean the same here
             raise KVResearchError(
                 f"Could not load {hub.get('path')} ({name or 'default'}) from the Hugging Face hub "
-                f"({type(error).__name__}: {str(error)[:200]}). Offline, use a local copy "
-                f"(benchmark.source=files benchmark.files=<path with {{length}}>) or benchmark.source=generate "
-                "where the benchmark has a generator."
+                f"({type(error).__name__}: {str(error)[:200]}). Offline, use local files in the same schema "
+                "(benchmark.source=files benchmark.files.folder=<folder>) or the benchmark's vendored copy."
             ) from error
-        samples += _function(cfg, "rows")(rows, cfg, length)
+        samples += _function(cfg, "rows")(rows, cfg, part)
     return samples
 
 
-def _local_file(cfg: Mapping[str, Any], length: int | None) -> Path:
-    """The file ``benchmark.files`` names for ``length``.
+def read_rows(path: Path) -> Iterable[Mapping[str, Any]]:
+    """Rows of a JSON Lines, JSON (a list, or a dict of records) or parquet file."""
+    if path.suffix == ".parquet":
+        from datasets import load_dataset
 
-    A path with ``{length}``, a folder holding ``<length>.parquet`` / ``<length>.jsonl``, or one file.
-    """
-    given = str(cfg.get("files") or "")
-    path = Path(given.format(length=length)) if "{length}" in given else Path(given)
-    if given and path.is_dir():
-        path = next(
-            (path / f"{length}{ext}" for ext in (".parquet", ".jsonl") if (path / f"{length}{ext}").is_file()), path
-        )
-    if not given or not path.is_file():
+        return load_dataset("parquet", data_files=str(path), split="train")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    data = json.loads(text)
+    return data if isinstance(data, list) else [{"_key": k, **v} for k, v in data.items()]
+
+
+def part_file(cfg: Mapping[str, Any], part: Any) -> Path:
+    """The local file of one part: ``files.folder/<part>`` with a known suffix."""
+    folder = Path(str((cfg.get("files") or {}).get("folder") or ""))
+    found = [folder / f"{part}{s}" for s in SUFFIXES if (folder / f"{part}{s}").is_file()] if folder.is_dir() else []
+    if not found:
         raise KVResearchError(
-            f"benchmark.source=files needs benchmark.files: a folder with <length>.parquet or <length>.jsonl, a "
-            f"path with {{length}}, or one file; '{given}' gives no file for length {length}."
+            f"benchmark '{cfg['name']}' (source=files): no {part}.jsonl, .json or .parquet in benchmark.files.folder "
+            f"'{folder}'. Point it at a folder holding one file per part, in the hub dataset's schema."
         )
-    return path
+    return found[0]
 
 
 def from_files(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
-    """``source: files``: local parquet or JSON Lines files in the hub dataset's schema."""
-    from datasets import load_dataset
-
+    """``source: files``: local files in the hub dataset's schema, one per part."""
     samples: list[Sample] = []
-    for length in _lengths(cfg):
-        path = _local_file(cfg, length)
-        rows = load_dataset("parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
-        samples += _function(cfg, "rows")(rows, cfg, length)
+    for part in (cfg.get("files") or {}).get("names") or []:
+        samples += _function(cfg, "rows")(read_rows(part_file(cfg, part)), cfg, part)
     return samples
 
 

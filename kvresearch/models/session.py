@@ -1,5 +1,8 @@
 """A loaded model as methods and evaluation see it: prefills into dense or ragged caches, greedy decoding.
 
+Prefills keep only the last position's logits (nothing reads the others; a 2k prefill would otherwise
+materialise 2k x vocabulary of them).
+
 This module and ``cache.py`` hold the transformers cache objects; methods get keys and values as
 tensors from a :class:`Prefill` and hand back a ragged cache, so they never touch cache internals.
 
@@ -79,7 +82,7 @@ class Session:
         """Prefill ``ids`` (1, T) into a dense cache; optionally record each layer's attention input h."""
         prefill = Prefill(DynamicCache(), windows=self.windows)
         with attention_inputs(self.adapter, prefill.inputs) if record_inputs else nullcontext():
-            self.model(input_ids=ids.to(self.device), past_key_values=prefill.cache, use_cache=True)
+            self.model(input_ids=ids.to(self.device), past_key_values=prefill.cache, use_cache=True, logits_to_keep=1)
         return prefill
 
     @torch.no_grad()

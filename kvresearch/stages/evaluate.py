@@ -11,8 +11,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvresearch.answering import Settings
 from kvresearch.benchmarks.loader import load_samples
-from kvresearch.evaluation import Settings, evaluate, find_reference, reference_answers, summarize
+from kvresearch.evaluation import evaluate, find_reference, reference_answers, summarize
 from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.runs import RunContext, build, stage_main
 
@@ -20,7 +21,7 @@ from kvresearch.runs import RunContext, build, stage_main
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Compress, answer and score every sample; compare with the full cache; summarize."""
     method = build(cfg.method)  # options are checked before the model loads
-    settings = Settings.from_config(cfg.evaluate, cfg.model)
+    settings = Settings.from_config(cfg.evaluate, cfg.model, cfg.benchmark)
     recorded = {  # what the full-cache answers depend on: a reference run must match it
         "model": {k: cfg.model.get(k) for k in ("name", "dtype", "device", "attn_implementation")},
         "benchmark": OmegaConf.to_container(cfg.benchmark, resolve=True),
