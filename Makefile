@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler tables clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler sweep-longctx tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -75,7 +75,23 @@ sweep-ruler: $(STAMP) ## the first result: RULER 2k on the embedded model, KVzap
 	$(EVAL) method=kvzip_plus method.keep_ratio=0.33
 	$(EVAL) method=snapkv,streaming_llm method.keep_ratio=0.5,0.33
 
-tables: $(STAMP) ## every evaluate run -> docs/results/ruler_table.md and ruler_curve.png
+# Long-context benchmarks on the embedded model (docs/evaluation.md): the vendored LongBench tasks, the LongBench
+# v2 subset and QuALITY, prompts cut in the middle to LONG_BUDGET tokens, a few contexts each; the full cache, then
+# every method at about 2x and 4x. ~2.5 h on 2 CPU cores; on a GPU set LONG_BUDGET=null and raise the counts.
+LONG_BUDGET ?= 2048
+LONG_METHODS ?= kvzap_mlp,kvzap_linear,kvzip_plus,snapkv,streaming_llm,am_highest
+LONG_SHARED := evaluate.max_new_tokens=64 benchmark.max_prompt_tokens=$(LONG_BUDGET)
+LONG_BENCHMARKS := "benchmark=longbench benchmark.samples_per_task=3" \
+  "benchmark=longbench_v2 benchmark.samples_per_task=6" \
+  "benchmark=quality benchmark.max_documents=2 benchmark.truncate=middle"
+
+sweep-longctx: $(STAMP) ## LongBench, LongBench v2 and QuALITY subsets on the embedded model: full cache, then each method at 2x and 4x
+	for b in $(LONG_BENCHMARKS); do \
+	  $(PY) -m kvresearch.stages.evaluate -m $(LONG_SHARED) $$b method=full && \
+	  $(PY) -m kvresearch.stages.evaluate -m $(LONG_SHARED) $$b method=$(LONG_METHODS) method.keep_ratio=0.5,0.25 \
+	  || exit 1; done
+
+tables: $(STAMP) ## every evaluate run -> docs/results/<benchmark>_table.md and <benchmark>_curve.png
 	$(PY) scripts/make_tables.py --out docs/results
 
 bench-extract: $(STAMP) ## extraction speed and memory vs the eager reference (outputs/bench/extract.json)

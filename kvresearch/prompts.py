@@ -63,8 +63,10 @@ class _Layout:
 
 
 def _layout(tokenizer: Any, layout: str, system: str | None, context: str, question: str) -> _Layout:
-    if layout == "plain":
-        return _Layout()
+    if layout == "plain":  # raw text, with the start token the tokenizer adds by default (LongBench's tokenizer call)
+        ids = tokenizer("x").input_ids
+        bos = getattr(tokenizer, "bos_token", None)
+        return _Layout(head=bos if bos and ids and ids[0] == tokenizer.bos_token_id else "")
     if not getattr(tokenizer, "chat_template", None):
         return _Layout(tail="\n")
     before = [{"role": "system", "content": system}] if system else []

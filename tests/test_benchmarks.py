@@ -242,3 +242,20 @@ def test_ruler_qa_tasks_come_from_rulers_own_files(tiny) -> None:
         row = ruler.make_sample(task, tiny.tokenizer, 2048, seed=42, index=0)
         assert answer in row["answer"] and 0.85 * 2048 <= row["length"] <= 2048
         assert row["context"].startswith("Answer the question based on the given documents.")
+
+
+def test_plain_layout_keeps_the_start_token_a_tokenizer_adds_by_default(tiny) -> None:
+    from copy import deepcopy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = deepcopy(tiny.tokenizer)
+    bos = tok.bos_token
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.bos_token_id)])
+    assert tok("x").input_ids[0] == tok.bos_token_id  # a Llama-like tokenizer now
+    prompt = build_prompt(tok, "Some context.", " Question?", layout="plain")
+    ids = prompt.context_ids[0].tolist() + prompt.question_ids[0].tolist()
+    assert ids == tok("Some context. Question?").input_ids  # what LongBench's own tokenizer call gives
+    assert prompt.head_len == 1
+    plain = build_prompt(tiny.tokenizer, "Some context.", " Question?", layout="plain")
+    assert plain.head_len == 0 and plain.n_tokens == prompt.n_tokens - 1
