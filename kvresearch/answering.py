@@ -5,9 +5,10 @@ generate exceed the model's budget (``model.max_context``, or ``benchmark.max_pr
 is cut in the middle where the benchmark defines that cut (LongBench), and refused otherwise, with the
 lengths (RULER defines none).
 
-Answers: greedy generation; or, for a multiple-choice question with ``evaluate.choices=loglikelihood``,
-the option whose text is most likely after the question (lm-eval's ``acc``; the length-normalised
-choice, ``acc_norm``, is recorded beside it).
+Answers: generation, greedy unless ``evaluate.sampling`` (or the benchmark's own ``sampling``, AIME's)
+says otherwise, ``n`` samples per question; or, for a multiple-choice question with
+``evaluate.choices=loglikelihood``, the option whose text is most likely after the question (lm-eval's
+``acc``; the length-normalised choice, ``acc_norm``, is recorded beside it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from kvresearch.benchmarks.sample import Question, Sample
 from kvresearch.errors import KVResearchError
+from kvresearch.generation import GREEDY, Sampling
 from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
 from kvresearch.models.session import Session, dense_answer
 from kvresearch.prompts import Prompt, build_prompt, template_tokens, truncate_middle
@@ -40,6 +42,7 @@ class Settings:
     max_new_tokens: int | None = None  # cap on each question's own generation length
     max_context: int | None = None  # the prompt budget: the model's positions, or less
     choices: str = "generate"  # multiple choice: generate and parse the letter, or score the options
+    sampling: Sampling = GREEDY
 
     def __post_init__(self) -> None:
         """A known choice mode."""
@@ -52,13 +55,16 @@ class Settings:
     ) -> Settings:
         """From the ``evaluate``, ``model`` and ``benchmark`` config groups."""
         cap = evaluate.get("max_new_tokens")
-        limits = [n for n in (model.get("max_context"), (benchmark or {}).get("max_prompt_tokens")) if n]
+        benchmark = benchmark or {}
+        limits = [n for n in (model.get("max_context"), benchmark.get("max_prompt_tokens")) if n]
+        sampling = evaluate.get("sampling") or benchmark.get("sampling")
         return cls(
             bool(evaluate["query_aware"]),
             bool(evaluate["fidelity"]),
             int(cap) if cap else None,
             min(int(n) for n in limits) if limits else None,
             str(evaluate.get("choices", "generate")),
+            Sampling(**sampling) if sampling else GREEDY,
         )
 
     def new_tokens(self, asked: int) -> int:
@@ -141,8 +147,12 @@ def respond(
     question: Question,
     settings: Settings,
     decode_context: Callable[[RaggedCache], AbstractContextManager[Any]] | None = None,
+    sample: int = 0,
 ) -> Answer:
-    """The answer to ``question`` from ``cache``: generated, or the most likely option (see the module docstring)."""
+    """The answer to ``question`` from ``cache``: generated (sample ``sample``), or the most likely option.
+
+    See the module docstring; a generated answer's extra fields say why it stopped and the KV bytes held.
+    """
     if settings.choices == "loglikelihood" and question.choices:
         start = time.perf_counter()
         scores = [option_logprobs(session, cache, prompt.question_ids, option) for option in question.choices]
@@ -156,12 +166,15 @@ def respond(
         }
         return Answer(tokens, letter, time.perf_counter() - start, extra)
     max_new = settings.new_tokens(question.max_new_tokens)
-    tokens, seconds = session.answer(cache, prompt.question_ids, max_new, decode_context)
+    out = session.generate(cache, prompt.question_ids, max_new, settings.sampling, sample, decode_context)
+    tokens, seconds = out.tokens, out.seconds
     text = session.tokenizer.decode(tokens, skip_special_tokens=True)
+    extra = {"stop_reason": out.stop_reason, **out.kv.as_record()}
     if question.followup is None:
-        return Answer(tokens, text, seconds)
+        return Answer(tokens, text, seconds, extra)
     # A chain of thought is answered in a second step without the document (LongBench v2's 0shot_cot_ans).
     second = build_prompt(session.tokenizer, "", question.followup.replace("$COT$", text.strip()))
     final = dense_answer(session, second, FOLLOWUP_TOKENS)
     final_text = session.tokenizer.decode(final.token_ids, skip_special_tokens=True)
-    return Answer(tokens, final_text, seconds + final.prefill_s + final.decode_s, {"chain_of_thought": text})
+    extra["chain_of_thought"] = text
+    return Answer(tokens, final_text, seconds + final.prefill_s + final.decode_s, extra)

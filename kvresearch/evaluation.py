@@ -7,6 +7,9 @@ Matching evaluate); ``query_aware`` compresses context + question instead, once 
 Every answer appends one line to the run's ``predictions.jsonl`` as it goes; a killed run resumes after
 its last valid line, and a damaged line is named and redone (:class:`Predictions`).
 
+Sampled answers (``evaluate.sampling``): ``n`` per question, the record's score is their mean (pass@1),
+each kept under ``samples``; fidelity is measured on greedy answers only.
+
 Fidelity: the full cache's greedy answer to the same question comes from a finished ``method=full``
 evaluate run, found by path (the run with this run's overrides but the method, see
 :func:`find_reference`) and checked to match this run's model, benchmark and prompts; answers it lacks
@@ -158,7 +161,9 @@ def evaluate(
                 return built["cache"]
 
             decode = lambda c: method.decode_context(session, c)
-            answer = respond(session, cache, prompt, question, settings, decode)
+            n = settings.sampling.n if mode(question, settings) == "generate" else 1
+            answers = [respond(session, cache, prompt, question, settings, decode, j) for j in range(n)]
+            answer, scores = answers[0], [score(sample, question, a) for a in answers]
             stats = cache.stats()
             record: dict[str, Any] = {
                 "id": sample.record_id(i),
@@ -167,7 +172,7 @@ def evaluate(
                 "question": i,
                 "prediction": answer.text,
                 "answer": list(question.references),
-                "score": score(sample, question, answer),
+                "score": sum(scores) / n,  # pass@1 over the n samples
                 "answer_ids": answer.tokens,
                 "prompt_sha1": prompt_sha1(
                     prompt, settings.new_tokens(question.max_new_tokens), mode(question, settings)
@@ -182,12 +187,17 @@ def evaluate(
                 "tags": question.tags,
                 **answer.extra,
             }
+            if n > 1:
+                record["samples"] = [
+                    {"prediction": a.text, "score": s, "new_tokens": len(a.tokens), **a.extra}
+                    for a, s in zip(answers, scores, strict=True)
+                ]
             if "acc_norm_choice" in answer.extra:
                 record["acc_norm"] = float(answer.extra["acc_norm_choice"] in question.references)
             report = {k: v for k, v in method.report().items() if k != "per_layer_head"}
             if report:
                 record["method_report"] = report
-            if settings.fidelity:
+            if settings.fidelity and settings.sampling.greedy:  # fidelity compares greedy answers
                 ref, source = _full_answer(session, method, full_cache, prompt, question, settings, record, reference)
                 record["agrees_with_full"] = answer.tokens == ref
                 record["full_answer_nll"] = session.answer_nll(cache, prompt.question_ids, ref)
@@ -253,6 +263,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "full_answer_nll": mean(rows, "full_answer_nll"),
             "kv_bytes_kept": mean(rows, "kv_bytes_kept"),
             "kv_bytes_dense": mean(rows, "kv_bytes_dense"),
+            "kv_bytes_peak_kept": mean(rows, "kv_bytes_peak_kept"),
+            "decode_prune_ratio": mean(rows, "decode_prune_ratio"),
+            "new_tokens": mean(rows, "new_tokens"),
             "compress_s": mean(rows, "compress_s"),
             "decode_s": mean(rows, "decode_s"),
             "prompt_tokens": mean(rows, "prompt_tokens"),

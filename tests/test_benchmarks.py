@@ -259,3 +259,23 @@ def test_plain_layout_keeps_the_start_token_a_tokenizer_adds_by_default(tiny) ->
     assert prompt.head_len == 1
     plain = build_prompt(tiny.tokenizer, "Some context.", " Question?", layout="plain")
     assert plain.head_len == 0 and plain.n_tokens == prompt.n_tokens - 1
+
+
+def test_aime_problems_load_with_contest_ids_and_the_hub_schema(tiny, tmp_path: Path) -> None:
+    samples = load_samples(benchmark("aime25"), tiny.tokenizer)
+    assert [s.id for s in samples[:2]] == ["2025-I-1", "2025-I-2"] and samples[-1].id == "2025-II-15"
+    first = samples[0].questions[0]
+    assert samples[0].context == "" and first.references == ("70",) and samples[15].questions[0].references == ("468",)
+    assert first.text.endswith("put your final answer within \\boxed{}.") and "17_{b}" in first.text
+    assert first.max_new_tokens == 32000 and samples[0].metric == "aime"
+    old = load_samples(benchmark("aime24"), tiny.tokenizer)
+    assert len(old) == 30 and old[0].id == "aime24-01" and old[7].questions[0].references == ("25",)  # "025"
+    rows = [{"ID": "2024-II-4", "Problem": "Find x.", "Answer": 33}]  # the hub's Maxwell-Jia/AIME_2024 schema
+    (tmp_path / "aime24.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (hub,) = load_samples(
+        benchmark("aime24", f"benchmark.files.folder={tmp_path}", "benchmark.ids=row"), tiny.tokenizer
+    )
+    assert hub.id == "2024-II-4" and hub.questions[0].references == ("33",)
+    (tmp_path / "aime24.jsonl").write_text(json.dumps({"question": "q", "answer": "1000"}) + "\n")
+    with pytest.raises(KVResearchError, match="not an integer 0-999"):
+        load_samples(benchmark("aime24", f"benchmark.files.folder={tmp_path}"), tiny.tokenizer)

@@ -177,3 +177,25 @@ def test_longbench_v2_chain_of_thought_is_answered_in_a_second_step_without_the_
     assert record["new_tokens"] <= 6 and "chain_of_thought" in record  # the compressed cache produced the CoT
     assert record["score"] == float(record["prediction"].count("The correct answer is") > 0 and record["score"])
     assert set(metrics["by_tag"]) == {"difficulty", "length", "domain"}
+
+
+def test_sampled_answers_give_pass_at_1_over_n_reproducibly(tmp_path: Path) -> None:
+    aime = [
+        "model=tiny_random",
+        "benchmark=aime25",
+        "benchmark.max_problems=2",
+        "evaluate.max_new_tokens=6",
+        "evaluate.sampling={temperature: 1.0, top_k: 50, top_p: 0.9, seed: 1, n: 3}",
+    ]
+    metrics = evaluate(tmp_path, "method=full", base=tuple(aime))
+    folder = tmp_path / "evaluate" / metrics["run"]["name"]
+    records = lines(folder)
+    assert [r["id"] for r in records] == ["aime25#0", "aime25#1"]
+    for r in records:
+        assert len(r["samples"]) == 3 and r["score"] == sum(s["score"] for s in r["samples"]) / 3
+        assert r["prediction"] == r["samples"][0]["prediction"] and "agrees_with_full" not in r  # no greedy fidelity
+        assert r["stop_reason"] in ("eos", "length") and r["kv_bytes_peak_kept"] >= r["kv_bytes_start_kept"] > 0
+    assert len({s["prediction"] for s in records[0]["samples"]}) > 1  # three different draws
+    again = evaluate(tmp_path / "again", "method=full", base=tuple(aime))
+    untimed = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]
+    assert untimed(lines(tmp_path / "again" / "evaluate" / again["run"]["name"])) == untimed(records)  # seeded

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvresearch.methods.kvzap import ThresholdPruner
 from kvresearch.models import ModelAdapter
 from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
-from kvresearch.models.hooks import attention_inputs
+from kvresearch.models.hooks import after_attention, attention_inputs
 from kvresearch.surrogate import Surrogate, SurrogateConfig
 
 T, WINDOW = 200, 32
@@ -158,3 +158,48 @@ def test_kvpress_dms_with_our_surrogate_in_memory_evicts_the_same_pairs(setup) -
     theirs, kept_bytes = masked_pairs(Session(adapter, None), ids, kvzap_press(surrogate, tau, WINDOW))
     assert mine == theirs and len(mine) > 0
     assert kept_bytes > ours.kv_bytes()["allocated"]  # kvpress keeps every pair in memory
+
+
+def test_a_memory_budget_holds_at_every_step_and_keeps_the_top_scored(setup) -> None:
+    model, adapter, ids, surrogate, scores, _ = setup
+    tau, budget = threshold_between(scores, 0.3), 60
+    cache = RaggedCache(adapter.num_layers)
+    seen_scores: dict[int, dict[int, torch.Tensor]] = {i: {} for i in range(adapter.num_layers)}
+    score_layer = surrogate.forward_layer
+
+    def spy(index: int, h: torch.Tensor) -> torch.Tensor:  # the scores the pruner computes, by position
+        out = score_layer(index, h)
+        for j, p in enumerate(cache.ragged[index].new_positions.tolist()):
+            seen_scores[index][p] = out[j]
+        return out
+
+    surrogate.forward_layer = spy  # type: ignore[method-assign]
+    largest: list[int] = []
+    pruner = ThresholdPruner(surrogate, tau, window=WINDOW, max_entries=budget)
+    record = lambda i: largest.append(int(cache.ragged[i].kept_per_head().max()))
+    with (
+        ragged_attention_enabled(model),
+        torch.no_grad(),
+        pruner.attach(adapter, cache),
+        after_attention(adapter, record),
+    ):
+        for start in range(0, T, 50):
+            model(input_ids=ids[:, start : start + 50], past_key_values=cache, use_cache=True)
+        for step in range(40):
+            model(input_ids=torch.tensor([[5 + step]]), past_key_values=cache, use_cache=True)
+    assert len(largest) == adapter.num_layers * (T // 50 + 40) and max(largest) <= budget
+    n = T + 40
+    for index, layer in enumerate(cache.ragged):
+        for h in range(adapter.num_kv_heads):
+            old = [p for p in range(n - WINDOW) if float(seen_scores[index][p][h]) >= tau]
+            top = sorted(old, key=lambda p: -float(seen_scores[index][p][h]))[: budget - WINDOW]
+            assert layer.head_positions(h).tolist() == sorted(top + list(range(n - WINDOW, n)))  # brute force
+    assert max(largest) == budget  # the budget bound, not the threshold, is what held the cache
+
+
+def test_a_budget_not_above_the_window_is_refused(tiny) -> None:
+    from kvresearch.errors import KVResearchError
+    from kvresearch.methods.kvzap import KVzap
+
+    with pytest.raises(KVResearchError, match="must exceed the window"):
+        KVzap(surrogate=random_surrogate(ModelAdapter(tiny.model)), window=64, max_entries=64)

@@ -123,3 +123,29 @@ def test_attention_matching_letter_parser(answer, letter) -> None:
     assert parse_choice(answer, options=4) == letter
     assert METRICS["choice_letter"](answer, ["B"], options=4) == float(letter == "B")
     assert METRICS["choice_letter"](answer, ["A"], options=4) == float(letter == "A")
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("so the answer is \\boxed{070}.", 70),  # leading zeros, AIME's three-digit form
+        ("first \\boxed{5}, then checked: \\boxed{\\text{ 12 }}", 12),  # the last box wins, \text unwrapped
+        ("$\\boxed{ 204 }$", 204),
+        ("\\fbox{7}", 7),
+        ("\\boxed{\\frac{1}{2}}", None),  # not an integer: no answer (the final-integer rule does not apply)
+        ("\\boxed{3.5}", None),
+        ("\\boxed{1{,}000}", 1000),  # braces nested and balanced (then out of range for the match)
+        ("we get 3.5, so 45 is it.", 45),  # no box: the final integer 0-999, decimals skipped
+        ("1234 then 12", 12),  # 1234 is not a 1-3 digit answer
+        ("the result is 1234", None),
+        ("no digits at all", None),
+        ("\\boxed{12", 12),  # an unclosed box is no box: the final integer
+    ],
+)
+def test_aime_extraction(response: str, expected: int | None) -> None:
+    from kvresearch.benchmarks.metrics import extract_aime
+
+    assert extract_aime(response) == expected
+    if expected is not None:
+        assert METRICS["aime"](response, [str(expected)]) == 1.0
+        assert METRICS["aime"](response, [str(expected + 1)]) == 0.0

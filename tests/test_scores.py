@@ -197,3 +197,13 @@ def test_chunked_oracle_restricts_softmax_to_sinks_chunk_and_repeat(tiny) -> Non
             torch.testing.assert_close(
                 ours[layer].kvzip[:, start : start + len(chunk)].double(), ref, rtol=1e-5, atol=1e-8
             )
+
+
+def test_a_row_with_a_zero_attention_input_adds_nothing_to_kvzip_plus() -> None:
+    q, k, v, w_o, h_norm, q_pos, k_pos, cols = random_problem()
+    zero = h_norm.clone()
+    zero[3] = 0.0  # e.g. a zero padding embedding at layer 0
+    ours = kvzip_scores(q, k, v[:, cols], cols, zero, w_o, 0.35, q_pos, k_pos)[1]
+    keep = [i for i in range(len(h_norm)) if i != 3]
+    ref = brute_force(q[:, keep], k, v, h_norm[keep], w_o, 0.35, q_pos[keep], k_pos, cols)[1]
+    assert torch.isfinite(ours).all() and torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-9)

@@ -182,6 +182,37 @@ def choice_letter(prediction: str, references: Sequence[str], options: int = 5, 
     return float(parse_choice(prediction, options) in references)
 
 
+# ------------------------------------------------------------------------------------------ AIME
+def last_boxed(text: str) -> str | None:
+    r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, begin = 1, i
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[begin : i - 1] if depth == 0 else None
+
+
+def extract_aime(text: str) -> int | None:
+    r"""The answer of an AIME response: the integer in the last ``\boxed{}``, else the final integer 0-999."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        plain = re.sub(r"\\text\{([^}]*)\}|\{,\}|\\[!,;: ]|[\s$,]", lambda m: m.group(1) or "", boxed)
+        plain = re.sub(r"\s", "", plain)
+        return int(plain) if re.fullmatch(r"\d+", plain) else None
+    finals = [int(n) for n in re.findall(r"(?<![\d.])\d+(?!\d|\.\d)", text) if int(n) <= 999]
+    return finals[-1] if finals else None
+
+
+def aime(prediction: str, references: Sequence[str], **_: Any) -> float:
+    """1 if the extracted integer equals the answer."""
+    found = extract_aime(prediction)
+    return float(found is not None and any(found == int(r) for r in references))
+
+
 METRICS: dict[str, Callable[..., float]] = {
     "string_match_all": string_match_all,
     "string_match_part": string_match_part,
@@ -193,4 +224,5 @@ METRICS: dict[str, Callable[..., float]] = {
     "code_sim": best_of(code_sim_one),
     "choice_v2": choice_v2,
     "choice_letter": choice_letter,
+    "aime": aime,
 }

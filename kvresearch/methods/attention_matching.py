@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method
+from kvresearch.methods.decoding import DecodingBudget, recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import attention_calls
 from kvresearch.models.session import Session
@@ -102,6 +104,7 @@ class AttentionMatching(Method):
     work_dtype: str = "float32"  # n x T products; targets and t x t solves are float64
     holdout: float = 0.1  # share of reference queries held out for the reconstruction errors
     seed: int = 0
+    decoding: Any = None  # {interval, target_size, protect}: re-compression while generating (methods/decoding.py)
     timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _report: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -127,6 +130,7 @@ class AttentionMatching(Method):
             raise KVResearchError(f"method {self.name}: " + "; ".join(problems) + ".")
         if self.beta_bounds is not None:
             self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
+        self.decoding = DecodingBudget.of(self.decoding, recompress=True)
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -212,7 +216,12 @@ class AttentionMatching(Method):
                 "per_layer_head": {f"L{i}H{h}": e for (i, h), e in errors.items()},
             }
         self._report["timings_s"] = dict(self.timings)
+        remember_prompt(cache, prompt)
         return cache
+
+    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
+        """With ``decoding`` set, the cache is re-compressed on its schedule while generating."""
+        return recompressing(self, session, cache, self.decoding) if self.decoding else nullcontext()
 
     def report(self) -> dict[str, Any]:
         """Held-out reconstruction errors (mean and per layer and KV head) and step timings of the last compression."""

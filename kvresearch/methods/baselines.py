@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method
+from kvresearch.methods.decoding import DecodingBudget
 from kvresearch.models.cache import RaggedCache
-from kvresearch.models.presses import press_prefill
+from kvresearch.models.presses import decoding_press, press_prefill
 from kvresearch.models.session import Session
 from kvresearch.prompts import Prompt
 from kvresearch.surrogate.modules import Surrogate
@@ -25,10 +27,14 @@ class KVPress(Method):
     name: str = "kvpress"
     press: Any
     attn_implementation: str | None = None  # e.g. "eager" for presses that read attention weights
+    decoding: Any = None  # {interval, target_size}: kvpress's DecodingPress around the press while generating
 
     def __post_init__(self) -> None:
-        """Hand the keep ratio to the press as kvpress's compression ratio."""
+        """Hand the keep ratio to the press as kvpress's compression ratio; check the decoding budget."""
         super().__post_init__()
+        self.decoding = DecodingBudget.of(self.decoding)
+        if self.decoding is not None:
+            self._decoding_press()  # refused now, not after the prefill, if the press cannot decode
         if self.keep_ratio is None:
             return
         settable = (
@@ -48,6 +54,25 @@ class KVPress(Method):
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
         """A dense prefill with the press applied, its result moved into the ragged cache."""
         return press_prefill(session, prompt.context_ids, self.press, self.attn_implementation)
+
+    def _decoding_press(self) -> Any:
+        from kvpress import AdaKVPress, DecodingPress, ScorerPress
+
+        if not isinstance(self.press, (ScorerPress, AdaKVPress)):
+            raise KVResearchError(
+                f"method {self.name}: kvpress's DecodingPress needs a scorer press, not {type(self.press).__name__}; "
+                "set method.decoding=null."
+            )
+        assert self.decoding is not None
+        return DecodingPress(
+            base_press=self.press,
+            compression_interval=self.decoding.interval,
+            target_size=self.decoding.target_size,
+        )
+
+    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
+        """With ``decoding`` set, kvpress's DecodingPress compresses the cache while generating."""
+        return decoding_press(session, cache, self._decoding_press()) if self.decoding else nullcontext()
 
 
 def kvzap_press(surrogate: Surrogate, threshold: float, window: int = 128, decoding: bool = False) -> Any:

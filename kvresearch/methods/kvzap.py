@@ -6,6 +6,10 @@ with a predicted log score below ``threshold`` is evicted from that KV head, phy
 compacted after every call of more than one token, and during decoding once enough entries are dead).
 The rule is the one of kvpress's ``DMSPress(KVzapPress)``, which only masks evicted pairs.
 
+``max_entries`` adds a memory budget: after the threshold rule, a KV head that holds more than
+``max_entries`` entries loses its lowest-scored entries outside the window until it fits. Scores never
+change, so the survivors are at every step the top-scored of the tokens that have left the window.
+
 ``keep_ratio`` instead of ``threshold``: score every context token from a dense prefill and keep the top
 share per head, layer or globally (``scope``), the window protected, for comparisons at a matched ratio.
 """
@@ -23,7 +27,7 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method, cache_from_scores
 from kvresearch.models.adapter import ModelAdapter
-from kvresearch.models.cache import RaggedCache
+from kvresearch.models.cache import RaggedCache, RaggedLayer
 from kvresearch.models.hooks import after_attention, attention_inputs
 from kvresearch.models.session import Session
 from kvresearch.ops.selection import SCOPES
@@ -45,6 +49,7 @@ class ThresholdPruner:
     surrogate: Surrogate
     threshold: float  # log-space threshold tau
     window: int = 128
+    max_entries: int | None = None  # per KV head, at every step (None: no budget)
     compact_every: int = 64  # during decoding, compact a layer once this many entries are dead per head
 
     @contextmanager
@@ -55,6 +60,8 @@ class ThresholdPruner:
         # Tokens still inside the window, with their scores; kept on the cache so that re-attaching for
         # decoding continues where the prefill stopped.
         pending_pos, pending_scores = cache.method_state.setdefault("kvzap_pending", ({}, {}))
+        # With a budget: per layer and head, the positions and scores of the kept entries outside the window.
+        kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = cache.method_state.setdefault("kvzap_kept", {})
         surrogate = self.surrogate.eval()
 
         def on_layer(index: int) -> None:
@@ -72,7 +79,13 @@ class ThresholdPruner:
             if bool(leaving.any()):
                 out_pos, out_scores = positions[leaving], scores[:, leaving]
                 for h in range(out_scores.shape[0]):
-                    layer.evict(h, out_pos[out_scores[h] < self.threshold])
+                    low = out_scores[h] < self.threshold
+                    layer.evict(h, out_pos[low])
+                    if self.max_entries is not None:
+                        pos, sc = kept.setdefault(index, [(out_pos[:0], out_scores[h, :0])] * len(out_scores))[h]
+                        kept[index][h] = (torch.cat([pos, out_pos[~low]]), torch.cat([sc, out_scores[h, ~low]]))
+            if self.max_entries is not None and index in kept:
+                self._fit_budget(layer, kept[index])
             if layer.new_positions.numel() > 1 or int(layer.dead.max()) >= self.compact_every:
                 layer.compact()
 
@@ -81,6 +94,16 @@ class ThresholdPruner:
                 yield timer
         finally:
             cache.compact()
+
+    def _fit_budget(self, layer: RaggedLayer, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Evict each head's lowest-scored entries outside the window until it holds ``max_entries``."""
+        assert self.max_entries is not None
+        for h, excess in enumerate((layer.kept_per_head() - self.max_entries).tolist()):
+            if excess > 0:
+                pos, sc = kept[h]
+                order = torch.argsort(sc, stable=True)
+                layer.evict(h, pos[order[:excess]])
+                kept[h] = (pos[order[excess:]], sc[order[excess:]])
 
 
 @dataclass(kw_only=True)
@@ -93,6 +116,7 @@ class KVzap(Method):
     scope: str = "head"  # for keep_ratio: head | layer | global
     window: int = 128
     decoding: bool = False  # keep pruning while generating (threshold mode)
+    max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
     chunk_size: int | None = None  # prefill chunk; bounds peak memory by chunk + kept cache
     _scoring_s: float = field(default=0.0, init=False, repr=False)
 
@@ -104,10 +128,15 @@ class KVzap(Method):
             raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
         if self.window < 0:
             raise KVResearchError(f"method {self.name}: window must be >= 0, got {self.window}.")
-        if self.decoding and self.threshold is None:
+        if (self.decoding or self.max_entries is not None) and self.threshold is None:
             raise KVResearchError(
-                f"method {self.name}: decoding=true prunes by threshold; set method.threshold and "
-                "method.keep_ratio=null."
+                f"method {self.name}: decoding=true and max_entries prune by threshold; set method.threshold "
+                "and method.keep_ratio=null."
+            )
+        if self.max_entries is not None and self.max_entries <= self.window:
+            raise KVResearchError(
+                f"method {self.name}: max_entries={self.max_entries} must exceed the window ({self.window}), "
+                "which is always kept: raise max_entries or lower method.window."
             )
 
     def budget(self) -> str:
@@ -117,7 +146,7 @@ class KVzap(Method):
     def pruner(self) -> ThresholdPruner:
         """The threshold rule with this method's settings."""
         assert self.threshold is not None
-        return ThresholdPruner(self.surrogate, float(self.threshold), self.window)
+        return ThresholdPruner(self.surrogate, float(self.threshold), self.window, self.max_entries)
 
     def _check_fits(self, session: Session) -> None:
         config, adapter = self.surrogate.config, session.adapter

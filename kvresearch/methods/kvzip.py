@@ -6,13 +6,16 @@ choices). Thresholds are in log space (like KVzap's); the template head is never
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvresearch.capture import chunked_oracle_scores
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method, cache_from_scores
+from kvresearch.methods.decoding import DecodingBudget, recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session
 from kvresearch.ops.selection import SCOPES
@@ -29,11 +32,13 @@ class KVzip(Method):
     scope: str = "global"  # for keep_ratio: head | layer | global
     chunk_size: int = 2048
     window: int = 0  # most recent tokens always kept
+    decoding: Any = None  # {interval, target_size, protect}: re-compression while generating (methods/decoding.py)
 
     def __post_init__(self) -> None:
         """Exactly one budget and a known scope."""
         super().__post_init__()
         self.require_one("threshold")
+        self.decoding = DecodingBudget.of(self.decoding, recompress=True)
         if self.scope not in SCOPES:
             raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
 
@@ -54,4 +59,10 @@ class KVzip(Method):
             s = (layer.kvzip_plus if self.plus else layer.kvzip).clamp_min(1e-30).log()  # (Hkv, C)
             sinks = torch.full((s.shape[0], prompt.head_len), float("inf"))
             scores.append(torch.cat([sinks, s], dim=1))
-        return cache_from_scores(prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window)
+        cache = cache_from_scores(prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window)
+        remember_prompt(cache, prompt)
+        return cache
+
+    def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
+        """With ``decoding`` set, the cache is re-compressed on its schedule while generating."""
+        return recompressing(self, session, cache, self.decoding) if self.decoding else nullcontext()

@@ -7,7 +7,8 @@ A model config names its ``source``:
   embedded model, or none);
 * ``hub``: a Hugging Face repository id or a local folder.
 
-dtype, device and attention implementation come from the same config.
+dtype, device and attention implementation come from the same config, and ``chat_template_options``:
+keyword arguments every chat-template call of the run receives (Qwen3's ``enable_thinking`` switch).
 """
 
 from __future__ import annotations
@@ -80,6 +81,19 @@ def build_random(cfg: Mapping[str, Any]) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.get("dtype", "float32")))
 
 
+def with_template_options(tokenizer: Any, options: Mapping[str, Any] | None) -> Any:
+    """``tokenizer`` whose ``apply_chat_template`` takes ``options`` as defaults (a call's own arguments win)."""
+    if tokenizer is None or not options:
+        return tokenizer
+    original, defaults = tokenizer.apply_chat_template, dict(options)
+
+    def apply_chat_template(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**defaults, **kwargs})
+
+    tokenizer.apply_chat_template = apply_chat_template
+    return tokenizer
+
+
 def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
     """Load the model described by a conf/model/*.yaml config.
 
@@ -114,4 +128,5 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
         model.set_attn_implementation(attn)
     model.to(device)  # type: ignore[arg-type]
     model.eval()
+    tokenizer = with_template_options(tokenizer, cfg.get("chat_template_options"))
     return LoadedModel(name=str(cfg.get("name", source)), model=model, tokenizer=tokenizer)

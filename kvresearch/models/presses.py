@@ -6,23 +6,43 @@ ExpectedAttention, PyramidKV, ObservedAttention) leave fewer keys per layer, who
 by matching them to the keys captured before the press ran; presses that only mask pairs (DMSPress,
 KVzipPress, AdaKV-style) leave ``module.masked_key_indices``, whose pairs we drop. Either way the memory
 kvpress keeps is freed.
+
+While decoding, :func:`decoding_press` runs kvpress's ``DecodingPress`` on the ragged cache: its own
+schedule (every ``compression_interval`` steps per layer), hidden-state buffer and ``compress`` (the base
+press's scores, cut to ``target_size``), with the pairs it drops removed from the ragged layer.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from kvresearch.errors import KVResearchError
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import attention_calls
 from kvresearch.models.session import Session
 
 
 def _positions_of(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
-    """Indices into ``original`` (T, d) of the rows of ``kept`` (n, d), which are copies of some of them."""
-    return torch.cdist(kept.float(), original.float()).argmin(dim=1)  # (n,), in the order of ``kept``
+    """Indices into ``original`` (T, d) of the rows of ``kept`` (n, d), which are copies of distinct rows of it.
+
+    Nearest rows, each used once (two identical rows of ``original`` are told apart by order of certainty).
+    """
+    exact = "donot_use_mm_for_euclid_dist"  # the matmul shortcut loses the digits that tell near rows apart
+    distances = torch.cdist(kept.float(), original.float(), compute_mode=exact)  # (n, T)
+    rows = distances.argmin(dim=1)
+    if len(set(rows.tolist())) == len(rows):
+        return rows
+    taken = torch.zeros(original.shape[0], dtype=torch.bool, device=distances.device)
+    for i in distances.min(dim=1).values.argsort().tolist():
+        rows[i] = distances[i].masked_fill(taken, float("inf")).argmin()
+        taken[rows[i]] = True
+    return rows
 
 
 @torch.no_grad()
@@ -97,3 +117,52 @@ def masked_pairs(session: Session, ids: torch.Tensor, press: Any) -> tuple[set[t
             spec.attn.masked_key_indices = None
     kept_bytes = sum(e.keys.numel() * e.keys.element_size() * 2 for e in dense.layers if e.keys is not None)
     return evicted, kept_bytes
+
+
+def _dense_view(cache: RaggedCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a ragged layer whose heads hold as many entries each: (1, Hkv, n, d)."""
+    layer = cache.ragged[index]
+    layer.compact()
+    if len(set(layer.lengths.tolist())) != 1:
+        raise KVResearchError(
+            "A kvpress decoding press needs as many entries in every KV head (kvpress's dense layout); this cache "
+            f"has {layer.lengths.tolist()} in layer {index}. Compress the context with a press that keeps as many "
+            "per head (the ScorerPress family), or none."
+        )
+    rows = torch.stack([layer.head_rows(h) for h in range(len(layer.caps))])  # (Hkv, n)
+    return layer.k[rows][None], layer.v[rows][None]
+
+
+@contextmanager
+def decoding_press(session: Session, cache: RaggedCache, press: Any) -> Iterator[None]:
+    """Run kvpress's ``DecodingPress`` ``press`` on ``cache`` while decoding, evicting for real."""
+    buffers: dict[int, list[torch.Tensor]] = defaultdict(list)
+    steps: dict[int, int] = defaultdict(int)
+    press.post_init_from_model(session.model)
+
+    from kvpress.presses.base_press import is_prefilling
+
+    def hook(module: Any, _args: tuple, kwargs: dict, output: Any) -> None:
+        hidden = kwargs["hidden_states"]
+        if is_prefilling(kwargs["cache_position"], hidden.shape[1]):  # kvpress's rule: the question counts as a step
+            return
+        index = int(module.layer_idx)
+        buffers[index].append(hidden.detach().clone())
+        steps[index] += 1
+        if steps[index] >= press.compression_interval:
+            keys, values = _dense_view(cache, index)
+            kept_k, kept_v = press.compress(module, torch.cat(buffers[index], dim=1), keys, values, None, kwargs)
+            pairs, kept = torch.cat([keys, values], dim=-1)[0], torch.cat([kept_k, kept_v], dim=-1)[0]
+            # kvpress's order is kept (the scorer's, not the positions'): window scorers such as SnapKV read the
+            # last entries as the most recent and pool neighbours, so the order changes what the next cut keeps.
+            cache.ragged[index].keep_only([_positions_of(kept[h], pairs[h]) for h in range(len(pairs))])
+            steps[index], buffers[index] = 0, []
+        size = press.hidden_states_buffer_size
+        buffers[index] = buffers[index][-size:] if size > 0 else []
+
+    handles = [layer.attn.register_forward_hook(hook, with_kwargs=True) for layer in session.adapter.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,4 +1,4 @@
-"""A loaded model as methods and evaluation see it: prefills into dense or ragged caches, greedy decoding.
+"""A loaded model as methods and evaluation see it: prefills into dense or ragged caches, generation.
 
 Prefills keep only the last position's logits (nothing reads the others; a 2k prefill would otherwise
 materialise 2k x vocabulary of them).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvresearch.generation import GREEDY, Generated, Sampling, StopStrings, generate
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
 from kvresearch.models.hooks import attention_inputs
@@ -103,21 +104,40 @@ class Session:
             found.add(int(self.tokenizer.eos_token_id))
         return found
 
-    @torch.no_grad()
-    def greedy(self, cache: Any, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> list[int]:
-        """Feed ``input_ids`` (1, Q) after ``cache`` and decode greedily; stops at an ``eos`` id (not returned)."""
-        model, out = self.model, []
-        logits = model(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True).logits
-        for _ in range(max_new_tokens):
-            token = int(logits[0, -1].argmax())
-            if token in eos:
-                break
-            out.append(token)
-            step = torch.tensor([[token]], device=self.device)
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
-        return out
+    def generate(
+        self,
+        cache: Any,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        sample: int = 0,
+        decode_context: Callable[[Any], AbstractContextManager[Any]] | None = None,
+        stop: Sequence[str] = (),
+        eos: bool = True,
+        in_place: bool = False,
+    ) -> Generated:
+        """Feed ``input_ids`` (1, Q) after ``cache`` and generate (see ``generation.py``).
 
-    @torch.no_grad()
+        ``cache`` is left untouched (a copy is extended) unless ``in_place``; ``eos=False`` ignores the end
+        tokens; ``decode_context(cache)`` wraps decoding, for a method that also compresses while generating.
+        """
+        working = cache if in_place else copy.deepcopy(cache)
+        ragged = isinstance(working, RaggedCache)
+        with (
+            ragged_attention_enabled(self.model) if ragged else nullcontext(),
+            decode_context(working) if decode_context else nullcontext(),
+        ):
+            return generate(
+                self.model,
+                working,
+                input_ids,
+                max_new_tokens,
+                sampling,
+                sample,
+                self.eos_ids() if eos else set(),
+                StopStrings(self.tokenizer, stop) if stop else None,
+            )
+
     def answer(
         self,
         cache: RaggedCache,
@@ -126,16 +146,9 @@ class Session:
         decode_context: Callable[[RaggedCache], AbstractContextManager[Any]] | None = None,
         stop: bool = True,
     ) -> tuple[list[int], float]:
-        """Greedy answer after ``cache``, which is left untouched (a copy is extended); ``stop=False`` ignores EOS.
-
-        ``decode_context(copy)`` wraps decoding, for a method that also prunes while generating.
-        """
-        working = copy.deepcopy(cache)
-        eos = self.eos_ids() if stop else set()
-        start = time.perf_counter()
-        with ragged_attention_enabled(self.model), decode_context(working) if decode_context else nullcontext():
-            tokens = self.greedy(working, question_ids, max_new_tokens, eos)
-        return tokens, time.perf_counter() - start
+        """Greedy answer tokens after ``cache`` (left untouched) and the seconds taken; ``stop=False`` ignores EOS."""
+        out = self.generate(cache, question_ids, max_new_tokens, decode_context=decode_context, eos=stop)
+        return out.tokens, out.seconds
 
     @torch.no_grad()
     def answer_nll(self, cache: RaggedCache, question_ids: torch.Tensor, answer_ids: list[int]) -> float:
@@ -172,6 +185,5 @@ def dense_answer(session: Session, prompt: Prompt, max_new_tokens: int) -> Gener
     start = time.perf_counter()
     cache = session.dense_prefill(prompt.context_ids).cache
     prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = session.greedy(cache, prompt.question_ids, max_new_tokens, session.eos_ids())
-    return Generation(tokens, prefill_s, time.perf_counter() - start, prompt.context_ids.shape[1])
+    out = session.generate(cache, prompt.question_ids, max_new_tokens, in_place=True)
+    return Generation(out.tokens, prefill_s, out.seconds, prompt.context_ids.shape[1])

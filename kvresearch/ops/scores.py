@@ -73,6 +73,8 @@ def kvzip_scores(
     q = (q * scaling).reshape(kv_heads, group, rows, d)  # query head h reads KV head h // group
     k_t = k.transpose(1, 2)  # (Hkv, d, N)
     wov = value_output_norms(v_cols, w_o)  # (Hkv, G, C)
+    # a row whose attention input is all zeros (a zero padding embedding) has no normalised share: / inf = 0
+    h_norm = torch.where(h_norm > 0, h_norm, torch.full_like(h_norm, float("inf")))
     best = torch.full((kv_heads, group, cols.numel()), float("-inf"), dtype=dtype, device=q.device)
     best_plus = best.clone()
     n_cols = cols.numel()

@@ -1,0 +1,141 @@
+"""Compression while decoding for methods that compress a whole context (KVzip+, Attention Matching).
+
+``DecodingBudget``: every ``interval`` decoding steps, a cache whose largest KV head holds more than
+``target_size`` entries is re-compressed back to ``target_size`` entries per head (kvpress's
+``DecodingPress`` contract: between compressions the cache holds at most ``target_size + interval - 1``).
+
+Re-compression follows the Attention Matching code's reasoning experiment: everything but the last
+``protect`` tokens is compressed by the method, the protected tokens stay as they are. The method
+compresses the token prefix (context, question and the tokens generated so far) from its ids, at the
+keep ratio that brings it to ``target_size - protect`` entries per head, so a re-compression equals
+compressing the same prefix once. The prefix is prefilled densely for that (the reference does the same
+at its first compaction); later compactions in the reference compact the already compacted cache, ours
+start again from the ids. KVzap prunes while decoding by its own rule (``methods/kvzap.py``) and kvpress
+presses through kvpress's ``DecodingPress`` (``models/presses.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvresearch.errors import KVResearchError
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.session import Session
+from kvresearch.prompts import Prompt
+
+if TYPE_CHECKING:
+    from kvresearch.methods.base import Method
+
+
+@dataclass(frozen=True)
+class DecodingBudget:
+    """How often and down to what a cache is compressed while generating (see the module docstring)."""
+
+    interval: int = 512  # decoding steps between compressions
+    target_size: int = 2048  # entries per KV head after a compression
+    protect: int = 20  # the most recent tokens, never compressed (re-compression; the AM code's default)
+
+    def __post_init__(self) -> None:
+        """Positive sizes."""
+        if self.interval < 1 or self.target_size < 1 or self.protect < 0:
+            raise KVResearchError(
+                f"method.decoding needs interval >= 1, target_size >= 1 and protect >= 0, got {self}."
+            )
+
+    @classmethod
+    def of(cls, value: Any, recompress: bool = False) -> DecodingBudget | None:
+        """From a config mapping (None: no compression while decoding); ``recompress``: protect must fit."""
+        budget = value if value is None or isinstance(value, DecodingBudget) else cls(**dict(value))
+        if recompress and budget is not None and budget.protect >= budget.target_size:
+            raise KVResearchError(
+                f"method.decoding: protect ({budget.protect}) must be below target_size ({budget.target_size}), "
+                "or nothing but the protected tokens would be left after a re-compression."
+            )
+        return budget
+
+
+def remember_prompt(cache: RaggedCache, prompt: Prompt) -> None:
+    """Keep the compressed context's ids on the cache, for a later re-compression of the whole prefix."""
+    cache.method_state["history"] = prompt.context_ids[0].tolist()
+    cache.method_state["head_len"] = prompt.head_len
+
+
+def _largest_head(cache: RaggedCache) -> int:
+    return max(int(layer.kept_per_head().max()) for layer in cache.ragged if layer.is_initialized)
+
+
+@torch.no_grad()
+def recompress(method: Method, session: Session, cache: RaggedCache, budget: DecodingBudget) -> dict[str, Any]:
+    """Re-compress ``cache`` in place: the prefix but the last ``protect`` tokens by ``method``, at its budget."""
+    history: list[int] = cache.method_state["history"]
+    seen = cache.get_seq_length()
+    if len(history) != seen:
+        raise KVResearchError(f"re-compression: {len(history)} token ids recorded for {seen} positions.")
+    cut = seen - budget.protect
+    ratio = min(1.0, (budget.target_size - budget.protect) / cut)
+    prefix = Prompt(torch.tensor([history[:cut]]), torch.zeros(1, 0, dtype=torch.long), cache.method_state["head_len"])
+    changes: dict[str, Any] = {"keep_ratio": ratio, "decoding": None}
+    if hasattr(method, "threshold"):
+        changes["threshold"] = None  # the budget, not a threshold, sets what is kept
+    fresh = dataclasses.replace(method, **changes).compress(session, prefix)
+    for index, (old, new) in enumerate(zip(cache.ragged, fresh.ragged, strict=True)):
+        if not old.is_initialized:
+            continue
+        tail = [old.head_rows(h)[old.pos[old.head_rows(h)] >= cut] for h in range(len(old.caps))]
+        if len({len(t) for t in tail}) != 1:
+            raise KVResearchError("re-compression: the protected tokens were not kept by every KV head.")
+        rows = torch.stack(tail)  # (Hkv, protect)
+        new.append(old.k[rows], old.v[rows], old.pos[rows[0]], old.bias[rows])
+        cache.layers[index] = new
+    event = {"position": seen, "prefix": cut, "keep_ratio": ratio}
+    cache.method_state.setdefault("recompressions", []).append(event)
+    return event
+
+
+@contextmanager
+def recompressing(method: Method, session: Session, cache: RaggedCache, budget: DecodingBudget) -> Iterator[None]:
+    """Within the block, record the ids fed to the model and re-compress on ``budget``'s schedule."""
+    if "history" not in cache.method_state:
+        raise KVResearchError(
+            f"method {method.name}: this cache was not made by the method's compress(), so its token ids are "
+            "unknown and it cannot be re-compressed while decoding."
+        )
+    history: list[int] = cache.method_state["history"]
+    state = {"steps": 0, "busy": False}
+
+    def before(_module: Any, args: tuple, kwargs: dict) -> None:
+        if not state["busy"]:
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            history.extend(ids[0].tolist())
+
+    def after(_module: Any, args: tuple, kwargs: dict, _output: Any) -> None:
+        if state["busy"]:
+            return
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if ids.shape[1] != 1:  # the question, fed in one call, is not a decoding step
+            return
+        state["steps"] += 1
+        if state["steps"] >= budget.interval:
+            state["steps"] = 0
+            if _largest_head(cache) > budget.target_size:
+                state["busy"] = True
+                try:
+                    recompress(method, session, cache, budget)
+                finally:
+                    state["busy"] = False
+
+    handles = [
+        session.model.register_forward_pre_hook(before, with_kwargs=True),
+        session.model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
