@@ -58,9 +58,9 @@ def prompt_sha1(prompt: Prompt, max_new_tokens: int, how: str = "generate") -> s
 class Predictions:
     """A run's ``predictions.jsonl``: appended as answers come, read back keeping every valid line."""
 
-    def __init__(self, path: Path):
-        """Bind to ``path`` (created on the first append)."""
-        self.path = path
+    def __init__(self, path: Path, required: tuple[str, ...] = REQUIRED):
+        """Bind to ``path`` (created on the first append); a line lacking a ``required`` field is damaged."""
+        self.path, self.required = path, required
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Valid records by id.
@@ -75,8 +75,8 @@ class Predictions:
         for number, line in enumerate(self.path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             try:
                 record = json.loads(line)
-                if not isinstance(record, dict) or any(key not in record for key in REQUIRED):
-                    raise ValueError(f"not a record (needs {', '.join(REQUIRED)})")
+                if not isinstance(record, dict) or any(key not in record for key in self.required):
+                    raise ValueError(f"not a record (needs {', '.join(self.required)})")
             except ValueError as error:
                 bad.append(f"line {number} ({str(error)[:80]})")
                 continue

@@ -196,3 +196,21 @@ def generate(
         trace.observe(cache)
     trace.finish(cache)
     return Generated(tokens, reason, time.perf_counter() - start, trace)
+
+
+@torch.no_grad()
+def forced_logprobs(model: Any, cache: Any, input_ids: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+    """Log-probabilities (len(targets),) of ``targets`` fed one token at a time after ``input_ids`` (1, Q).
+
+    The cache is extended in place, one decoding step per target, so that compression while decoding acts
+    exactly as it would while generating those tokens.
+    """
+    device = next(model.parameters()).device
+    out = torch.empty(len(targets), dtype=torch.float64)
+    logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    for i, token in enumerate(targets):
+        out[i] = torch.log_softmax(logits[0, -1].double(), dim=-1)[token]
+        if i + 1 < len(targets):
+            step = torch.tensor([[token]], device=device)
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+    return out

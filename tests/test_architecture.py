@@ -21,6 +21,7 @@ FLOORS = {
     "tracking": 0,
     "prompts": 0,
     "stats": 0,
+    "generation": 0,
     "ops": 1,
     "runs": 1,
     "data": 1,
@@ -32,6 +33,7 @@ FLOORS = {
     "answering": 3,
     "extraction": 3,
     "evaluation": 3,
+    "fidelity": 3,
     "stages": 4,
 }
 FILE_IO = {

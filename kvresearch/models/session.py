@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvresearch.generation import GREEDY, Generated, Sampling, StopStrings, generate
+from kvresearch.generation import GREEDY, Generated, Sampling, StopStrings, forced_logprobs, generate
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
 from kvresearch.models.hooks import attention_inputs
@@ -137,6 +137,21 @@ class Session:
                 self.eos_ids() if eos else set(),
                 StopStrings(self.tokenizer, stop) if stop else None,
             )
+
+    def forced_logprobs(
+        self,
+        cache: Any,
+        input_ids: torch.Tensor,
+        targets: Sequence[int],
+        decode_context: Callable[[Any], AbstractContextManager[Any]] | None = None,
+    ) -> torch.Tensor:
+        """Log-probabilities of ``targets`` teacher-forced one step at a time after ``cache`` (left untouched)."""
+        working = copy.deepcopy(cache)
+        with (
+            ragged_attention_enabled(self.model) if isinstance(working, RaggedCache) else nullcontext(),
+            decode_context(working) if decode_context else nullcontext(),
+        ):
+            return forced_logprobs(self.model, working, input_ids, targets)
 
     def answer(
         self,
