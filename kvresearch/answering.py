@@ -25,7 +25,7 @@ import torch
 from kvresearch.benchmarks.sample import Question, Sample
 from kvresearch.errors import KVResearchError
 from kvresearch.generation import GREEDY, Sampling
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session, dense_answer
 from kvresearch.prompts import Prompt, build_prompt, template_tokens, truncate_middle
 
@@ -132,10 +132,8 @@ class Answer:
 def option_logprobs(session: Session, cache: RaggedCache, question_ids: torch.Tensor, option: str) -> float:
     """Sum of the log-probabilities of `` option`` after the question, under ``cache`` (left untouched)."""
     target = session.tokenizer(" " + option, add_special_tokens=False).input_ids
-    working = copy.deepcopy(cache)
-    ids = torch.cat([question_ids, torch.tensor([target])], dim=1).to(session.device)
-    with ragged_attention_enabled(session.model):
-        logits = session.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
+    ids = torch.cat([question_ids, torch.tensor([target])], dim=1)
+    logits = session.extend(copy.deepcopy(cache), ids)[0]
     logprobs = torch.log_softmax(logits[question_ids.shape[1] - 1 : -1].float(), dim=-1)
     return float(logprobs.gather(1, torch.tensor(target, device=logprobs.device)[:, None]).sum())
 

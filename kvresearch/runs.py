@@ -341,3 +341,17 @@ def build(node: Any) -> Any:
         if cause is None:
             raise
         raise cause from None
+
+
+def compose_config(name: str, overrides: list[str] | None = None) -> DictConfig:
+    """``conf/<name>.yaml`` composed with ``overrides``, for code that needs a config outside a stage.
+
+    Works inside a running Hydra job too (its search path is this same ``conf/``): lm-eval's model and tasks.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(name, overrides=overrides or [])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(name, overrides=overrides or [])

@@ -20,7 +20,7 @@ from kvresearch.prompts import build_prompt
 from kvresearch.runs import CONF_DIR, build
 from tests.helpers import compose_stage, method_config, surrogate_run, synthetic_extract
 
-STAGES = ["needle", "extract", "train_surrogate", "evaluate", "fidelity"]
+STAGES = ["needle", "extract", "train_surrogate", "evaluate", "fidelity", "lm_eval"]
 METHODS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml") if not p.stem.startswith("_"))
 
 

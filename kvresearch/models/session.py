@@ -166,14 +166,18 @@ class Session:
         return out.tokens, out.seconds
 
     @torch.no_grad()
+    def extend(self, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``ids`` (1, T) after ``cache`` (extended in place) in one forward pass; logits (1, T, vocab)."""
+        with ragged_attention_enabled(self.model) if isinstance(cache, RaggedCache) else nullcontext():
+            return self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True).logits
+
+    @torch.no_grad()
     def answer_nll(self, cache: RaggedCache, question_ids: torch.Tensor, answer_ids: list[int]) -> float:
         """Mean negative log-likelihood per token of ``answer_ids`` after the question, under ``cache``."""
         if not answer_ids:
             return float("nan")
-        working = copy.deepcopy(cache)
-        ids = torch.cat([question_ids, torch.tensor([answer_ids])], dim=1).to(self.device)
-        with ragged_attention_enabled(self.model):
-            logits = self.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
+        ids = torch.cat([question_ids, torch.tensor([answer_ids])], dim=1)
+        logits = self.extend(copy.deepcopy(cache), ids)[0]
         n_q = question_ids.shape[1]
         logprobs = torch.log_softmax(logits[n_q - 1 : -1].float(), dim=-1)
         target = torch.tensor(answer_ids, device=logprobs.device)
