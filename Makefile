@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler sweep-longctx tables clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler sweep-longctx aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -90,6 +90,33 @@ sweep-longctx: $(STAMP) ## LongBench, LongBench v2 and QuALITY subsets on the em
 	  $(PY) -m kvresearch.stages.evaluate -m $(LONG_SHARED) $$b method=full && \
 	  $(PY) -m kvresearch.stages.evaluate -m $(LONG_SHARED) $$b method=$(LONG_METHODS) method.keep_ratio=0.5,0.25 \
 	  || exit 1; done
+
+# Compression while generating. CPU-sized: AIME_TOKENS=32000 AIME_PROBLEMS=30 and GEN_TOKENS=1024 GEN_PROMPTS=20
+# are the full settings (a GPU). GEN_BUDGETS: per-head cache sizes the presses and Attention Matching decode under.
+AIME_TOKENS ?= 512
+AIME_PROBLEMS ?= 10
+AIME_SHARED = benchmark=aime25 evaluate.max_new_tokens=$(AIME_TOKENS) evaluate.max_samples=$(AIME_PROBLEMS)
+GEN_TOKENS ?= 512
+GEN_PROMPTS ?= 8
+GEN_BUDGETS ?= 128,256
+GEN_SHARED = fidelity.new_tokens=$(GEN_TOKENS) fidelity.prompts=$(GEN_PROMPTS)
+
+aime: $(STAMP) ## AIME25 on the embedded model (sampled as the paper): full cache, then KVzap-MLP pruning while decoding
+	$(PY) -m kvresearch.stages.evaluate $(AIME_SHARED) method=full
+	$(PY) -m kvresearch.stages.evaluate $(AIME_SHARED) method=kvzap_mlp method.decoding=true
+
+fidelity: $(STAMP) ## long greedy generations vs the full cache's: KVzap, presses and AM re-compression while decoding
+	$(PY) -m kvresearch.stages.fidelity $(GEN_SHARED) method=full
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=kvzap_mlp,kvzap_linear ++method.decoding=true ++method.threshold=-5,-3
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=streaming_llm,snapkv \
+	  '++method.decoding={interval:64}' ++method.decoding.target_size=$(GEN_BUDGETS)
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=am_highest \
+	  '++method.decoding={interval:128,protect:32}' ++method.decoding.target_size=$(GEN_BUDGETS)
+
+LMEVAL_LIMIT ?= 8
+lm-eval: $(STAMP) ## lm-eval on the offline tasks (QuALITY by log-likelihood, LongBench qasper by generation): full vs KVzap-MLP
+	$(PY) -m kvresearch.stages.lm_eval -m lm_eval.tasks=[kvr_quality,kvr_longbench_qasper] lm_eval.limit=$(LMEVAL_LIMIT) \
+	  lm_eval.max_length=$(LONG_BUDGET) method=full,kvzap_mlp
 
 tables: $(STAMP) ## every evaluate run -> docs/results/<benchmark>_table.md and <benchmark>_curve.png
 	$(PY) scripts/make_tables.py --out docs/results
