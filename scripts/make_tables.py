@@ -5,7 +5,9 @@
 Writes ``<out>/<benchmark>_table.md`` (method x setting x task: answers, measured prune ratio, score with
 its bootstrap 95% interval, agreement with the full cache, NLL of the full-cache answer) and
 ``<out>/<benchmark>_curve.png`` (score against prune ratio, one line per method, like the KVzap paper's
-figures). Reads run folders only: each run's metrics.json records its method (``describe()``: name, budget
+figures); from the fidelity runs, ``<out>/fidelity_table.md`` and ``<out>/fidelity_curve.png`` (token
+agreement and log-perplexity of the full-cache generation against the prune ratio).
+Reads run folders only: each run's metrics.json records its method (``describe()``: name, budget
 label, options), its benchmark settings and its overrides; predictions.jsonl the per-answer scores.
 A benchmark run on the vendored offline files is labelled a subset.
 """
@@ -28,6 +30,7 @@ def setting(m: dict) -> str:
     changed = []
     for line in m["run"]["overrides"]:
         key, _, value = line.partition("=")
+        key = key.lstrip("+~")
         if key.startswith("method.") and key.removeprefix("method.") not in BUDGET_KEYS:
             changed.append(f"{key.removeprefix('method.')}={value}")
     return ", ".join([m["method"]["budget"], *changed])
@@ -103,16 +106,59 @@ def plot(runs: list[dict], path: Path, benchmark: str) -> None:
     plt.close(fig)
 
 
+def fidelity(root: Path, out: Path) -> None:
+    """The fidelity runs: one table row per run, agreement and log-perplexity against prune ratio."""
+    runs = [json.loads((d.parent / "metrics.json").read_text()) for d in sorted(root.glob("fidelity/*/DONE"))]
+    if not runs:
+        return
+    lines = [
+        "| method | setting | prompts x tokens | prune ratio | token agreement | first divergence | "
+        "log-ppl of full generation | peak KV MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    name_of = lambda r: r["method"]["name"]
+    for r in sorted(runs, key=lambda r: (name_of(r) != "full", name_of(r), r["overall"]["prune_ratio"])):
+        o = r["overall"]
+        lines.append(
+            f"| {r['method']['name']} | {setting(r)} | {o['prompts']} x {r['fidelity']['new_tokens']} | "
+            f"{o['prune_ratio']:.2f} | {o['token_agreement']:.2f} | {o['first_divergence']:.0f} | "
+            f"{o['full_logppl']:.3f} | {o['kv_bytes_peak_kept'] / 2**20:.1f} |"
+        )
+    (out / "fidelity_table.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name in sorted({r["method"]["name"] for r in runs}):
+        points = sorted((r["overall"]["prune_ratio"], r["overall"]) for r in runs if r["method"]["name"] == name)
+        xs = [x for x, _ in points]
+        for ax, key in zip(axes, ("token_agreement", "full_logppl"), strict=True):
+            ax.plot(xs, [o[key] for _, o in points], marker="o", label=name)
+    axes[0].set(xlabel="prune ratio at the end", ylabel="token agreement with the full cache")
+    axes[1].set(xlabel="prune ratio at the end", ylabel="log-perplexity of the full-cache generation")
+    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "fidelity_curve.png", dpi=120)
+    plt.close(fig)
+    print("\n".join(lines))
+    print(f"wrote {out / 'fidelity_table.md'} and {out / 'fidelity_curve.png'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     runs = load(Path(args.root))
-    if not runs:
-        raise SystemExit(f"no finished evaluate run under {args.root}/evaluate; run make evaluate first")
+    if not runs and not list(Path(args.root).glob("fidelity/*/DONE")):
+        raise SystemExit(f"no finished evaluate or fidelity run under {args.root}; run make evaluate first")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    fidelity(Path(args.root), out)
     by_benchmark: dict[str, list[dict]] = defaultdict(list)
     for run in runs:
         by_benchmark[run["benchmark"]["name"]].append(run)

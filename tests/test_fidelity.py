@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -48,3 +50,15 @@ def test_full_cache_logppl_is_the_dense_forward_pass_and_methods_read_its_genera
             assert (record["first_divergence"], record["token_agreement"]) == agreement(record["tokens"], reference)
         assert record["prune_ratio"] > 0.4 and record["context_prune_ratio"] == 0.0  # pruned while decoding only
         assert record["kv_bytes_final_kept"] < record["kv_bytes_peak_kept"]
+    result = subprocess.run(
+        [sys.executable, "scripts/make_tables.py", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    table = (tmp_path / "t" / "fidelity_table.md").read_text()
+    assert "| full | - | 2 x 12 | 0.00 | 1.00 | 12 |" in table
+    assert "| streaming_llm | -, decoding={interval: 2, target_size: 40} | 2 x 12 |" in table
+    assert (tmp_path / "t" / "fidelity_curve.png").stat().st_size > 1000

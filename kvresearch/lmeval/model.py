@@ -51,7 +51,7 @@ from kvresearch.prompts import Prompt
 from kvresearch.runs import build, compose_config
 
 DOCUMENT_SPLIT = "\n\nQuestion:"
-_OWN_ARGS = {"model", "method", "query_aware", "document_split", "max_length", "seed"}
+_OWN_ARGS = {"query_aware", "document_split", "max_length", "seed"}  # the model's own options
 
 
 @dataclass
