@@ -66,8 +66,17 @@ class WandbTracker(Tracker):
         self.run.summary.update(_scalars(metrics))
 
     def finish(self, exit_code: int = 0) -> None:
-        """Close the run."""
+        """Close the run and wait until its records are on disk.
+
+        ``run.finish`` can return before the W&B service has written the run's records (seen on a loaded machine:
+        the offline ``.wandb`` file held only its header); ``teardown`` waits for the service to write everything
+        and exit, so the run folder is complete before the stage marks the run done. The next run starts a new
+        service.
+        """
+        import wandb
+
         self.run.finish(exit_code=exit_code)
+        wandb.teardown()
 
 
 @contextmanager
