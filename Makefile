@@ -92,7 +92,8 @@ sweep-longctx: $(STAMP) ## LongBench, LongBench v2 and QuALITY subsets on the em
 	  || exit 1; done
 
 # Compression while generating. CPU-sized: AIME_TOKENS=32000 AIME_PROBLEMS=30 and GEN_TOKENS=1024 GEN_PROMPTS=20
-# are the full settings (a GPU). GEN_BUDGETS: per-head cache sizes the presses and Attention Matching decode under.
+# are the full settings (a GPU). GEN_BUDGETS: per-head cache sizes the presses and Attention Matching decode under;
+# they compress only while decoding (the prompt is kept whole: keep_ratio null, or 1 for AM), as in the AM paper.
 AIME_TOKENS ?= 512
 AIME_PROBLEMS ?= 10
 AIME_SHARED = benchmark=aime25 evaluate.max_new_tokens=$(AIME_TOKENS) evaluate.max_samples=$(AIME_PROBLEMS)
@@ -108,9 +109,11 @@ aime: $(STAMP) ## AIME25 on the embedded model (sampled as the paper): full cach
 fidelity: $(STAMP) ## long greedy generations vs the full cache's: KVzap, presses and AM re-compression while decoding
 	$(PY) -m kvresearch.stages.fidelity $(GEN_SHARED) method=full
 	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=kvzap_mlp,kvzap_linear ++method.decoding=true ++method.threshold=-5,-3
-	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=streaming_llm,snapkv \
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=streaming_llm ++method.keep_ratio=null \
 	  '++method.decoding={interval:64}' ++method.decoding.target_size=$(GEN_BUDGETS)
-	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=am_highest \
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=snapkv ++method.keep_ratio=null \
+	  ++method.press.window_size=32 '++method.decoding={interval:64}' ++method.decoding.target_size=$(GEN_BUDGETS)
+	$(PY) -m kvresearch.stages.fidelity -m $(GEN_SHARED) method=am_highest ++method.keep_ratio=1.0 \
 	  '++method.decoding={interval:128,protect:32}' ++method.decoding.target_size=$(GEN_BUDGETS)
 
 LMEVAL_LIMIT ?= 8
