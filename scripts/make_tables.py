@@ -76,8 +76,9 @@ def table(runs: list[dict]) -> str:
         interval = "" if ci.n < 2 else f"[{ci.low:.1f}, {ci.high:.1f}]"
         agree = "" if o["agreement"] is None else f"{o['agreement']:.2f}"
         nll = "" if o["full_answer_nll"] is None else f"{o['full_answer_nll']:.3f}"
+        prune = f"{o['prune_ratio']:.2f}" + (f" (decoding {d:.2f})" if (d := o.get("decode_prune_ratio")) else "")
         lines.append(
-            f"| {name} | {setting(r)} | {o['samples']} | {o['prune_ratio']:.2f} | {cells} | {o['score']:.1f} | "
+            f"| {name} | {setting(r)} | {o['samples']} | {prune} | {cells} | {o['score']:.1f} | "
             f"{interval} | {agree} | {nll} |"
         )
     return subset_note(runs[0]) + "\n".join(lines) + "\n"
