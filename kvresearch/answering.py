@@ -13,7 +13,6 @@ says otherwise, ``n`` samples per question; or, for a multiple-choice question w
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -132,9 +131,7 @@ class Answer:
 def option_logprobs(session: Session, cache: RaggedCache, question_ids: torch.Tensor, option: str) -> float:
     """Sum of the log-probabilities of `` option`` after the question, under ``cache`` (left untouched)."""
     target = session.tokenizer(" " + option, add_special_tokens=False).input_ids
-    ids = torch.cat([question_ids, torch.tensor([target])], dim=1)
-    logits = session.extend(copy.deepcopy(cache), ids)[0]
-    logprobs = torch.log_softmax(logits[question_ids.shape[1] - 1 : -1].float(), dim=-1)
+    logprobs = torch.log_softmax(session.target_logits(cache, question_ids, target).float(), dim=-1)
     return float(logprobs.gather(1, torch.tensor(target, device=logprobs.device)[:, None]).sum())
 
 

@@ -304,8 +304,7 @@ class KVResearchLM(TemplateLM):
             decode = lambda c: self.method.decode_context(self.session, c)
             logprobs = self.session.forced_logprobs(cache, torch.tensor([rest]), continuation, decode)
             return float(logprobs.sum()), False  # rolling sums need no greedy flag
-        ids = torch.tensor([rest + continuation[:-1]])
-        logits = self.session.extend(copy.deepcopy(cache), ids)[0, len(rest) - 1 :].double()
+        logits = self.session.target_logits(cache, torch.tensor([rest]), continuation).double()
         logprobs = torch.log_softmax(logits, dim=-1)
         target = torch.tensor(continuation, device=logprobs.device)
         picked = logprobs.gather(1, target[:, None])[:, 0]

@@ -26,6 +26,7 @@ import torch
 
 from kvresearch.errors import KVResearchError
 from kvresearch.models.cache import RaggedCache
+from kvresearch.models.hooks import model_calls
 from kvresearch.models.session import Session
 from kvresearch.prompts import Prompt
 
@@ -83,16 +84,7 @@ def recompress(method: Method, session: Session, cache: RaggedCache, budget: Dec
     changes: dict[str, Any] = {"keep_ratio": ratio, "decoding": None}
     if hasattr(method, "threshold"):
         changes["threshold"] = None  # the budget, not a threshold, sets what is kept
-    fresh = dataclasses.replace(method, **changes).compress(session, prefix)
-    for index, (old, new) in enumerate(zip(cache.ragged, fresh.ragged, strict=True)):
-        if not old.is_initialized:
-            continue
-        tail = [old.head_rows(h)[old.pos[old.head_rows(h)] >= cut] for h in range(len(old.caps))]
-        if len({len(t) for t in tail}) != 1:
-            raise KVResearchError("re-compression: the protected tokens were not kept by every KV head.")
-        rows = torch.stack(tail)  # (Hkv, protect)
-        new.append(old.k[rows], old.v[rows], old.pos[rows[0]], old.bias[rows])
-        cache.layers[index] = new
+    cache.splice(dataclasses.replace(method, **changes).compress(session, prefix), cut)  # protected tail kept
     event = {"position": seen, "prefix": cut, "keep_ratio": ratio}
     cache.method_state.setdefault("recompressions", []).append(event)
     return event
@@ -109,16 +101,12 @@ def recompressing(method: Method, session: Session, cache: RaggedCache, budget: 
     history: list[int] = cache.method_state["history"]
     state = {"steps": 0, "busy": False}
 
-    def before(_module: Any, args: tuple, kwargs: dict) -> None:
+    def before(ids: torch.Tensor) -> None:
         if not state["busy"]:
-            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
             history.extend(ids[0].tolist())
 
-    def after(_module: Any, args: tuple, kwargs: dict, _output: Any) -> None:
-        if state["busy"]:
-            return
-        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        if ids.shape[1] != 1:  # the question, fed in one call, is not a decoding step
+    def after(ids: torch.Tensor) -> None:
+        if state["busy"] or ids.shape[1] != 1:  # the question, fed in one call, is not a decoding step
             return
         state["steps"] += 1
         if state["steps"] >= budget.interval:
@@ -130,12 +118,5 @@ def recompressing(method: Method, session: Session, cache: RaggedCache, budget: 
                 finally:
                     state["busy"] = False
 
-    handles = [
-        session.model.register_forward_pre_hook(before, with_kwargs=True),
-        session.model.register_forward_hook(after, with_kwargs=True),
-    ]
-    try:
+    with model_calls(session.model, before, after):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()

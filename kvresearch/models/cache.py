@@ -218,6 +218,21 @@ class RaggedCache(Cache):
             if layer.is_initialized:
                 layer.compact(slack)
 
+    def splice(self, prefix: RaggedCache, start: int) -> None:
+        """Take ``prefix``'s layers, followed by this cache's entries at positions >= ``start``.
+
+        Every KV head must hold the same positions from ``start`` on (they are appended as one block).
+        """
+        for index, (old, new) in enumerate(zip(self.ragged, prefix.ragged, strict=True)):
+            if not old.is_initialized:
+                continue
+            tail = [old.head_rows(h)[old.pos[old.head_rows(h)] >= start] for h in range(len(old.caps))]
+            if len({len(t) for t in tail}) != 1:
+                raise KVResearchError(f"splice: the KV heads of layer {index} keep different entries from {start} on.")
+            rows = torch.stack(tail)  # (Hkv, entries from start on)
+            new.append(old.k[rows], old.v[rows], old.pos[rows[0]], old.bias[rows])
+            self.layers[index] = new
+
     def stats(self) -> dict[str, Any]:
         """Tokens seen and kept per layer and KV head, prune ratios, KV bytes (dense-equivalent, kept, allocated)."""
         layers = [layer for layer in self.ragged if layer.is_initialized]

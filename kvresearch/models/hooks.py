@@ -3,7 +3,8 @@
 ``attention_calls`` wraps the attention function that transformers dispatches to (sdpa, eager,
 flash, ...) so that a callback sees exactly the q, k, v the model attends with, without switching the
 model to eager attention. ``attention_inputs`` records each layer's attention input h;
-``after_attention`` calls back once each attention module has run (its cache is then up to date).
+``after_attention`` calls back once each attention module has run (its cache is then up to date);
+``model_calls`` calls back with the input ids before and after every forward pass of the whole model.
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ def after_attention(adapter: ModelAdapter, callback: Callable[[int], None]) -> I
     handles = [
         layer.attn.register_forward_hook(lambda _m, _a, _o, index=layer.index: callback(index))
         for layer in adapter.layers
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def model_calls(
+    model: nn.Module, before: Callable[[torch.Tensor], None], after: Callable[[torch.Tensor], None]
+) -> Iterator[None]:
+    """Call ``before(input_ids)`` and ``after(input_ids)`` (1, T) around every forward pass of ``model``."""
+
+    def ids_of(args: tuple, kwargs: dict) -> torch.Tensor:
+        return kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+
+    handles = [
+        model.register_forward_pre_hook(lambda _m, args, kwargs: before(ids_of(args, kwargs)), with_kwargs=True),
+        model.register_forward_hook(lambda _m, args, kwargs, _out: after(ids_of(args, kwargs)), with_kwargs=True),
     ]
     try:
         yield

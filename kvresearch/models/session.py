@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,11 +122,7 @@ class Session:
         tokens; ``decode_context(cache)`` wraps decoding, for a method that also compresses while generating.
         """
         working = cache if in_place else copy.deepcopy(cache)
-        ragged = isinstance(working, RaggedCache)
-        with (
-            ragged_attention_enabled(self.model) if ragged else nullcontext(),
-            decode_context(working) if decode_context else nullcontext(),
-        ):
+        with self._decoding(working, decode_context):
             return generate(
                 self.model,
                 working,
@@ -147,39 +143,38 @@ class Session:
     ) -> torch.Tensor:
         """Log-probabilities of ``targets`` teacher-forced one step at a time after ``cache`` (left untouched)."""
         working = copy.deepcopy(cache)
-        with (
-            ragged_attention_enabled(self.model) if isinstance(working, RaggedCache) else nullcontext(),
-            decode_context(working) if decode_context else nullcontext(),
-        ):
+        with self._decoding(working, decode_context):
             return forced_logprobs(self.model, working, input_ids, targets)
 
-    def answer(
-        self,
-        cache: RaggedCache,
-        question_ids: torch.Tensor,
-        max_new_tokens: int,
-        decode_context: Callable[[RaggedCache], AbstractContextManager[Any]] | None = None,
-        stop: bool = True,
-    ) -> tuple[list[int], float]:
-        """Greedy answer tokens after ``cache`` (left untouched) and the seconds taken; ``stop=False`` ignores EOS."""
-        out = self.generate(cache, question_ids, max_new_tokens, decode_context=decode_context, eos=stop)
-        return out.tokens, out.seconds
+    @contextmanager
+    def _decoding(
+        self, cache: Any, decode_context: Callable[[Any], AbstractContextManager[Any]] | None = None
+    ) -> Iterator[None]:
+        """Ragged attention for a ragged cache, and the method's ``decode_context(cache)`` if any, around a run."""
+        with (
+            ragged_attention_enabled(self.model) if isinstance(cache, RaggedCache) else nullcontext(),
+            decode_context(cache) if decode_context else nullcontext(),
+        ):
+            yield
 
     @torch.no_grad()
-    def extend(self, cache: Any, ids: torch.Tensor) -> torch.Tensor:
-        """Feed ``ids`` (1, T) after ``cache`` (extended in place) in one forward pass; logits (1, T, vocab)."""
-        with ragged_attention_enabled(self.model) if isinstance(cache, RaggedCache) else nullcontext():
-            return self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True).logits
+    def target_logits(self, cache: Any, input_ids: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+        """Logits (len(targets), vocab) predicting ``targets`` teacher-forced after ``input_ids`` (1, Q).
+
+        One forward pass of ``input_ids`` and ``targets`` over a copy of ``cache`` (left untouched).
+        """
+        ids = torch.cat([input_ids, torch.tensor([list(targets)])], dim=1).to(self.device)
+        working = copy.deepcopy(cache)
+        with self._decoding(working):
+            logits = self.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
+        return logits[input_ids.shape[1] - 1 : -1]
 
     @torch.no_grad()
     def answer_nll(self, cache: RaggedCache, question_ids: torch.Tensor, answer_ids: list[int]) -> float:
         """Mean negative log-likelihood per token of ``answer_ids`` after the question, under ``cache``."""
         if not answer_ids:
             return float("nan")
-        ids = torch.cat([question_ids, torch.tensor([answer_ids])], dim=1)
-        logits = self.extend(copy.deepcopy(cache), ids)[0]
-        n_q = question_ids.shape[1]
-        logprobs = torch.log_softmax(logits[n_q - 1 : -1].float(), dim=-1)
+        logprobs = torch.log_softmax(self.target_logits(cache, question_ids, answer_ids).float(), dim=-1)
         target = torch.tensor(answer_ids, device=logprobs.device)
         return float(-logprobs.gather(1, target[:, None]).mean())
 
