@@ -63,7 +63,8 @@ def test_every_method_config_builds_and_compresses_on_the_tiny_model(name: str, 
     cache = method.compress(session, prompt)
     stats = cache.stats()
     assert cache.get_seq_length() == prompt.context_ids.shape[1] and 0.0 <= stats["prune_ratio"] < 1.0
-    tokens, _ = session.answer(cache, prompt.question_ids, 3, lambda c: method.decode_context(session, c))
+    decode = lambda c: method.decode_context(session, c)
+    tokens = session.generate(cache, prompt.question_ids, 3, decode_context=decode).tokens
     assert len(tokens) <= 3 and all(isinstance(t, int) for t in tokens)
     assert torch.isfinite(torch.tensor([stats["prune_ratio"]])).all()
 

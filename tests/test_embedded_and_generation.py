@@ -54,7 +54,7 @@ def test_greedy_over_explicit_cache_equals_generate(tiny) -> None:
     ours = dense_answer(session, prompt, 16).token_ids
     ragged = session.new_cache()
     session.ragged_prefill(prompt.context_ids, ragged)
-    assert session.answer(ragged, prompt.question_ids, 16)[0] == ours  # the ragged cache answers the same
+    assert session.generate(ragged, prompt.question_ids, 16).tokens == ours  # the ragged cache answers the same
     ids = torch.cat([prompt.context_ids, prompt.question_ids], dim=1)
     ref = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=list(eos), pad_token_id=2)
     expected = ref[0, ids.shape[1] :].tolist()
