@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am train-surrogate evaluate sweep-ruler sweep-longctx aime fidelity lm-eval tables clean
+.PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -91,6 +91,22 @@ sweep-longctx: $(STAMP) ## LongBench, LongBench v2 and QuALITY subsets on the em
 	  $(PY) -m kvresearch.stages.evaluate -m $(LONG_SHARED) $$b method=$(LONG_METHODS) method.keep_ratio=0.5,0.25 \
 	  || exit 1; done
 
+# Attention Matching against eviction at high ratios (docs/attention_matching.md): log-perplexity of the full-context
+# answers and agreement with them at 3x, 10x, 20x and 50x on the QuALITY subset of sweep-longctx (the same full-cache
+# run) and on RULER 2k. CPU key points: AM_RATIOS=0.1,0.02 (10x and 50x); the default grid is the whole curve.
+AM_RATIOS ?= 0.33,0.1,0.05,0.02
+AM_ONLY ?= am_highest,am_omp,am_highest_budgets,am_omp_budgets,am_highest_onpolicy,am_omp_onpolicy,am_kvzip_keys
+AM_METHODS ?= $(AM_ONLY),summarize,kvzip_plus,kvzap_mlp,snapkv,streaming_llm
+AM_RULER := benchmark=ruler benchmark.lengths=[2048] benchmark.samples_per_task=2 evaluate.max_new_tokens=48 \
+  benchmark.tasks=[niah_single_2,niah_multikey_1]
+AM_BENCHMARKS := "$(LONG_SHARED) benchmark=quality benchmark.max_documents=2 benchmark.truncate=middle" "$(AM_RULER)"
+
+sweep-am: $(STAMP) ## AM (self-study, budgets, on-policy), the hybrid, summarization and eviction at 3x-50x: QuALITY, RULER 2k
+	for b in $(AM_BENCHMARKS); do \
+	  $(PY) -m kvresearch.stages.evaluate -m $$b method=full && \
+	  $(PY) -m kvresearch.stages.evaluate -m $$b method=$(AM_METHODS) method.keep_ratio=$(AM_RATIOS) \
+	  || exit 1; done
+
 # Compression while generating. CPU-sized: AIME_TOKENS=32000 AIME_PROBLEMS=30 and GEN_TOKENS=1024 GEN_PROMPTS=20
 # are the full settings (a GPU). GEN_BUDGETS: per-head cache sizes the presses and Attention Matching decode under;
 # they compress only while decoding (the prompt is kept whole: keep_ratio null, or 1 for AM), as in the AM paper.
@@ -132,6 +148,9 @@ bench-kvzap: $(STAMP) ## KVzap vs full cache vs kvpress: overhead, KV bytes, dec
 
 bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per head, held-out errors, 10x answers (outputs/bench/am.json)
 	$(PY) scripts/bench_am.py $(ARGS)
+
+budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json (method.budgets=<that file>)
+	$(PY) -m kvresearch.stages.budgets $(ARGS)
 
 reproduce: $(STAMP) ## the main job on the embedded model: extract, surrogates, RULER sweep, table
 	$(MAKE) --no-print-directory train-surrogate

@@ -45,6 +45,18 @@ class Prompt:
     context_ids: torch.Tensor  # (1, context_len): template head, then the context itself
     question_ids: torch.Tensor  # (1, question_len)
     head_len: int = 0  # template tokens before the context (system prompt, user header)
+    end_len: int = 0  # template tokens after the context (the end of its turn, in the two-turn layout)
+    opener: str = ""  # text that opens a question after the context (the next user turn's header) ...
+    tail: str = ""  # ... and closes it (the assistant header)
+
+    @property
+    def article(self) -> slice:
+        """The context's own tokens within ``context_ids``: what compaction may touch."""
+        return slice(self.head_len, int(self.context_ids.shape[1]) - self.end_len)
+
+    def ask(self, tokenizer: Any, text: str) -> torch.Tensor:
+        """(1, Q) ids of ``text`` laid out as a question after this context, as the real question is."""
+        return torch.tensor([_encode(tokenizer, self.opener + text + self.tail)])
 
     @property
     def n_tokens(self) -> int:
@@ -94,9 +106,12 @@ def build_prompt(
     """Lay out ``context`` and ``question`` (see the module docstring); return both parts as ids."""
     parts = _layout(tokenizer, layout, system, context, question)
     head_ids = _encode(tokenizer, parts.head)  # tokenised apart from the context, as in the repeat prompt
-    context_ids = head_ids + _encode(tokenizer, context) + (_encode(tokenizer, parts.end) if parts.end else [])
+    end_ids = _encode(tokenizer, parts.end) if parts.end else []
+    context_ids = head_ids + _encode(tokenizer, context) + end_ids
     question_ids = _encode(tokenizer, parts.opener + question + parts.tail + answer_prefix)
-    return Prompt(torch.tensor([context_ids]), torch.tensor([question_ids]), len(head_ids))
+    return Prompt(
+        torch.tensor([context_ids]), torch.tensor([question_ids]), len(head_ids), len(end_ids), parts.opener, parts.tail
+    )
 
 
 def template_tokens(tokenizer: Any, layout: str = "one_turn", system: str | None = None) -> int:

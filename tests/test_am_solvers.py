@@ -15,6 +15,7 @@ from kvresearch.ops.am import (
     highest_attention_keys,
     nnls,
     omp_keys,
+    omp_select,
     reconstruction_errors,
 )
 
@@ -165,3 +166,59 @@ def test_highest_attention_counts_identical_keys_once_and_beta_carries_the_copie
     held_out = torch.randn(50, D, generator=g, dtype=torch.float64)
     errors = reconstruction_errors(held_out, k, v, Compacted(idx, k[idx], beta, values), SCALE)
     assert errors["output_rel_l2"] < 1e-5 and errors["mass_rel"] < 1e-5
+
+
+def direct_omp(e: np.ndarray, t: int, per_step: int, refit_every: int, lower: float, upper: float):
+    """OMP straight from its definition, float64 and BVLS: raw correlation with the mass residual,
+    ``per_step`` keys per step, bounded NNLS after steps 1, 1 + refit_every, ..., new keys at the bound."""
+    y, chosen, w = e.sum(axis=1), [], np.zeros(0)
+    step = 0
+    while len(chosen) < t:
+        corr = e.T @ (y - e[:, chosen] @ w)
+        corr[chosen] = -np.inf
+        new = [int(j) for j in np.argsort(-corr, kind="stable")[: min(per_step, t - len(chosen))]]
+        chosen, w = chosen + new, np.concatenate([w, np.full(len(new), lower)])
+        if step % refit_every == 0:
+            w = lsq_linear(e[:, chosen], y, bounds=(lower, upper), method="bvls").x
+        step += 1
+    w = lsq_linear(e[:, chosen], y, bounds=(lower, upper), method="bvls").x
+    return chosen, np.log(np.maximum(w, lower))
+
+
+def test_omp_selects_the_keys_of_its_definition_in_the_same_order() -> None:
+    """Raw correlation (not divided by the column norm), the fast schedule's refits after steps 1, 3, 5..."""
+    lower, upper = 1e-12, float(np.exp(7))
+    for seed in range(3):
+        _, _, _, b = random_block(seed, n=300, keys=90)
+        for per_step, refit_every in [(1, 1), (4, 2), (2, 3)]:
+            chosen, beta = omp_select(b, 24, per_step, refit_every)
+            ref, ref_beta = direct_omp(b.e.numpy(), 24, per_step, refit_every, lower, upper)
+            assert chosen.tolist() == ref
+            np.testing.assert_allclose(beta.numpy(), ref_beta, rtol=1e-6, atol=1e-6)
+
+
+def test_omp_drop_and_refill_leaves_no_key_at_the_lower_bound() -> None:
+    """Fewer queries than keys to choose: NNLS parks some keys at the bound; refill rounds repeat until none."""
+    for seed in range(3):
+        _, _, _, b = random_block(seed, n=12, keys=60)
+        _, beta = omp_select(b, 20, 4, 2)
+        assert int((beta < -7).sum()) > 0  # the problem does produce dead keys
+        chosen, beta = omp_select(b, 20, 4, 2, drop_below=-7.0)
+        assert bool((beta >= -7).all()) and 0 < len(chosen) <= 20
+        assert len(set(chosen.tolist())) == len(chosen)
+
+
+def test_heldout_errors_per_query_and_pooled_match_a_direct_computation() -> None:
+    q, k, v, b = random_block(7, n=200, keys=60)
+    idx, beta = omp_keys(b, 10)
+    c = Compacted(idx, k[idx], beta, fit_values(b, q, k[idx], beta, SCALE))
+    got = reconstruction_errors(q, k, v, c, SCALE)
+    logits = (q @ k.T) * SCALE
+    out = torch.softmax(logits, dim=1) @ v
+    logits_c = (q @ k[idx].T) * SCALE + beta
+    out_c = torch.softmax(logits_c, dim=1) @ c.values
+    z, z_c = torch.logsumexp(logits, dim=1), torch.logsumexp(logits_c, dim=1)
+    per_query = [float((out_c[i] - out[i]).norm() / out[i].norm()) for i in range(len(q))]
+    assert abs(got["output_rel_l2_query_mean"] - float(np.mean(per_query))) < 1e-10
+    assert abs(got["output_rel_l2"] - float((out_c - out).norm() / out.norm())) < 1e-10
+    assert abs(got["mass_rel"] - float((z_c - z).exp().sub(1).abs().mean())) < 1e-10

@@ -34,6 +34,7 @@ FLOORS = {
     "extraction": 3,
     "evaluation": 3,
     "fidelity": 3,
+    "budget_search": 3,
     "lmeval": 3,
     "stages": 4,
 }

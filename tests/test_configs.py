@@ -62,7 +62,8 @@ def test_every_method_config_builds_and_compresses_on_the_tiny_model(name: str, 
     prompt = build_prompt(tiny.tokenizer, "Maps of rivers and the people who draw them. " * 30, "What?")
     cache = method.compress(session, prompt)
     stats = cache.stats()
-    assert cache.get_seq_length() == prompt.context_ids.shape[1] and 0.0 <= stats["prune_ratio"] < 1.0
+    assert (cache.stands_for or cache.get_seq_length()) == prompt.context_ids.shape[1]  # a summary stands for it
+    assert 0.0 <= stats["prune_ratio"] < 1.0
     decode = lambda c: method.decode_context(session, c)
     tokens = session.generate(cache, prompt.question_ids, 3, decode_context=decode).tokens
     assert len(tokens) <= 3 and all(isinstance(t, int) for t in tokens)

@@ -1,25 +1,33 @@
 """Attention Matching compaction into the ragged cache (model glue around ``ops/am.py``).
 
-Reference queries (post-rotary, after q_norm where the model has one, all query heads of a KV group
-pooled, capped at ``max_queries`` per KV head with a seeded subsample):
+One dense prefill of the context, then reference queries (``am_queries.py``: repeat, self-study,
+context, random; all query heads of a KV group pooled, capped at ``max_queries`` per KV head by a seeded
+subsample), then each global layer's KV heads compacted on the *article span* (the context's own tokens;
+the template tokens around it stay as they are, as in the papers; ``span=all`` compacts everything):
+keys selected among the originals (``highest`` attention, ``omp``, or ``kvzip``: the KVzip+ oracle's top
+keys, our hybrid), beta by bounded NNLS, values by least squares. Sliding-window layers are left alone.
+Compacted keys keep their rotary positions; new tokens continue at the original length.
 
-* ``repeat``: teacher-forced repetition of the context (context, "Repeat the previous context verbatim.",
-  then the context as the answer): the queries of the repeated copy;
-* ``context``: the queries of the context tokens themselves, from the prefill;
-* ``random``: Gaussian vectors with the per-dimension scale of the context queries.
+Budgets: every head keeps ``int(keep_ratio * n)`` of the span's n entries, or ``budgets=<file>`` gives
+per-head shares (``ops/budgets.py``, the reference's JSON), or ``budgets=global_layer|global_model``
+spreads the same total by one threshold over the RMS attention scores of a layer's (or the model's)
+keys. The ragged cache stores the uneven heads as they are, without padding.
 
-Self-study and on-policy queries plug in as further ``QuerySource`` functions (same signature).
+On-policy (``on_policy=true``): the continuation suffix is pushed through the model once; before layer
+l runs, its queries (whose hidden states already went through the compacted layers 0..l-1) are captured
+and layer l is compacted in place, so the suffix attends to the compacted layer and layer l+1 sees its
+on-policy input: L layer evaluations in all, where re-running the suffix per layer costs O(L^2).
 
-Each (layer, KV head) block is compacted to ``round(keep_ratio * T)`` entries: keys selected among the
-originals (``highest`` attention, or ``omp``), beta by bounded NNLS, values by least squares; ablations
-``fit_beta=false`` (beta = 0) and ``fit_values=false`` (original values). Sliding-window layers are left
-alone. Compacted keys keep their rotary positions; new tokens continue at the original length.
+Chunked (``chunk_tokens``): the span is cut into chunks; each chunk's block (its keys keep their rotary
+positions) is compacted at the global ratio with its own repeat queries (the repeat of that chunk) and
+the shared self-study / context queries; the chunks' entries are concatenated. One chunk is the
+unchunked result.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,75 +35,47 @@ from typing import Any
 import torch
 
 from kvresearch.errors import KVResearchError
+from kvresearch.methods.am_cache import HeadEntries, apply, assemble, heldout_summary, kvzip_scores
+from kvresearch.methods.am_queries import (
+    CONTINUATIONS,
+    SOURCES,
+    SelfStudy,
+    fixed_queries,
+    pooled,
+    prefill_with_queries,
+    push_suffix,
+    repeat_continuation,
+    self_study_continuations,
+)
 from kvresearch.methods.base import Method
 from kvresearch.methods.decoding import DecodingBudget, recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
-from kvresearch.models.hooks import attention_calls
-from kvresearch.models.session import Session
-from kvresearch.ops import am
-from kvresearch.prompts import AM_REPEAT, Prompt, repeat_prompt
+from kvresearch.models.session import Prefill, Session
+from kvresearch.ops import am, budgets
+from kvresearch.prompts import Prompt
 
-# A query source returns, per layer, the queries (q_heads, n, d) it produced.
-QuerySource = Callable[[Session, Prompt, int], list[torch.Tensor]]
-
-
-def _capture_queries(session: Session, ids: torch.Tensor, rows: slice) -> list[torch.Tensor]:
-    store: list[torch.Tensor | None] = [None] * session.adapter.num_layers
-
-    def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        store[layer] = q[0, :, rows].detach().to(torch.float64).cpu()
-
-    with torch.no_grad(), attention_calls(session.adapter, record):
-        session.adapter.decoder(input_ids=ids.to(session.device), use_cache=False)
-    return [s for s in store if s is not None]
-
-
-def repeat_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
-    """Queries of the teacher-forced repetition of the context."""
-    context = prompt.context_ids[0, prompt.head_len :].tolist()
-    rp = repeat_prompt(session.tokenizer, context, instruction_text=AM_REPEAT)
-    return _capture_queries(session, rp.input_ids, rp.repeat)
-
-
-def context_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
-    """Queries of the context tokens themselves."""
-    return _capture_queries(session, prompt.context_ids, slice(0, prompt.context_ids.shape[1]))
-
-
-def random_queries(session: Session, prompt: Prompt, seed: int) -> list[torch.Tensor]:
-    """Gaussian queries with the per-dimension scale of the context queries."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randn(q.shape, generator=g, dtype=torch.float64) * q.std(dim=(0, 1), keepdim=True)
-        for q in context_queries(session, prompt, seed)
-    ]
-
-
-SOURCES: dict[str, QuerySource] = {"repeat": repeat_queries, "context": context_queries, "random": random_queries}
 WORK_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def pooled(q: torch.Tensor, kv_head: int, group: int, cap: int, seed: int) -> torch.Tensor:
-    """Queries of KV head ``kv_head``'s group pooled into (n, d), capped by a seeded subsample."""
-    x = q[kv_head * group : (kv_head + 1) * group].reshape(-1, q.shape[-1])
-    if x.shape[0] > cap:
-        x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:cap]]
-    return x
+GLOBAL_BUDGETS = ("global_layer", "global_model")
 
 
 @dataclass(kw_only=True)
 class AttentionMatching(Method):
-    """AM-HighestAttnKeys(-fast) and AM-OMP(-fast) as a compression method."""
+    """AM-HighestAttnKeys(-fast), AM-OMP(-fast) and the KVzip-keys hybrid as a compression method."""
 
     name: str = "am"
     keep_ratio: float | None = 0.1
-    keys: str = "highest"  # key selection: highest | omp
+    keys: str = "highest"  # key selection: highest | omp | kvzip
     queries: list[str] = field(default_factory=lambda: ["repeat"])  # reference query sources
+    self_study: Any = None  # {prompts, max_new_tokens, temperature, top_p, top_k}: am_queries.SelfStudy
+    on_policy: bool = False
+    budgets: str | None = None  # None (uniform) | path to {"L{l}H{h}": share} | global_layer | global_model
+    span: str = "article"  # article (template tokens kept as they are) | all
+    chunk_tokens: int | None = None  # compact the span in chunks of this many tokens
     max_queries: int = 50_000  # per KV head, seeded subsample above
     fit_beta: bool = True
     fit_values: bool = True
     ridge: float = 0.0
-    reduce: str = "rms"  # key score over queries (highest): rms, max or mean
+    reduce: str = "rms"  # key score over queries (highest, global budgets): rms, max or mean
     beta_bounds: list[float] | None = None  # [lower, upper] on w = exp(beta); None: the reference's
     omp_keys_per_step: int = 1
     omp_refit_every: int = 1
@@ -106,20 +86,32 @@ class AttentionMatching(Method):
     seed: int = 0
     decoding: Any = None  # {interval, target_size, protect}: re-compression while generating (methods/decoding.py)
     timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    head_timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _report: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _errors: dict[tuple[int, int], list[dict[str, float]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Check the options (ratio in (0, 1], known keys, query sources and dtype)."""
+        """Check the options (ratio in (0, 1], known keys, sources, budgets and dtype)."""
         super().__post_init__()
         problems = []
         if self.keep_ratio is None or not 0 < self.keep_ratio <= 1:
             problems.append(f"keep_ratio must lie in (0, 1], got {self.keep_ratio}")
-        if self.keys not in ("highest", "omp"):
-            problems.append(f"keys must be 'highest' or 'omp', got {self.keys!r}")
+        if self.keys not in ("highest", "omp", "kvzip"):
+            problems.append(f"keys must be 'highest', 'omp' or 'kvzip', got {self.keys!r}")
         self.queries = list(self.queries)
         unknown = set(self.queries) - set(SOURCES)
         if unknown or not self.queries:
-            problems.append(f"unknown query sources {sorted(unknown)}; available: {sorted(SOURCES)}")
+            problems.append(f"unknown query sources {sorted(unknown)}; available: {list(SOURCES)}")
+        if self.on_policy and not set(self.queries) & set(CONTINUATIONS):
+            problems.append(f"on_policy needs a continuation query source ({', '.join(CONTINUATIONS)})")
+        if self.on_policy and (self.chunk_tokens or self.budgets == "global_model"):
+            problems.append(
+                "on_policy compacts layer by layer: it cannot be combined with chunk_tokens or global_model"
+            )
+        if self.span not in ("article", "all"):
+            problems.append(f"span must be 'article' or 'all', got {self.span!r}")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            problems.append(f"chunk_tokens must be >= 1 or null, got {self.chunk_tokens}")
         if self.work_dtype not in WORK_DTYPES:
             problems.append(f"work_dtype must be float32 or float64, got {self.work_dtype!r}")
         if self.reduce not in ("rms", "max", "mean"):
@@ -130,6 +122,8 @@ class AttentionMatching(Method):
             raise KVResearchError(f"method {self.name}: " + "; ".join(problems) + ".")
         if self.beta_bounds is not None:
             self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
+        self.study = SelfStudy(**dict(self.self_study or {}))
+        self.shares = budgets.load_shares(self.budgets) if self.budgets and self.budgets not in GLOBAL_BUDGETS else None
         self.decoding = DecodingBudget.of(self.decoding, recompress=True)
 
     @property
@@ -138,11 +132,6 @@ class AttentionMatching(Method):
         if self.beta_bounds:
             return (self.beta_bounds[0], self.beta_bounds[1])
         return am.OMP_BOUNDS if self.keys == "omp" else am.HIGHEST_BOUNDS
-
-    @property
-    def work(self) -> torch.dtype:
-        """The work dtype of the n x T products."""
-        return WORK_DTYPES[self.work_dtype]
 
     @property
     def omp(self) -> dict[str, Any]:
@@ -154,19 +143,35 @@ class AttentionMatching(Method):
             "progressive": self.omp_progressive,
         }
 
-    def _timed(self, step: str, start: float) -> float:
-        now = time.perf_counter()
-        self.timings[step] = self.timings.get(step, 0.0) + now - start
-        return now
+    def size(self, n: int) -> int:
+        """Uniform budget of a block of n entries: ``int(keep_ratio * n)``, at least 1 (the reference's floor)."""
+        return max(1, int(float(self.keep_ratio or 0.0) * n))
 
-    def compact_head(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> am.Compacted:
-        """Q (n, d) reference queries, k (T, d), v (T, dv) of one KV head -> round(keep_ratio * T) entries."""
-        t = max(1, round(float(self.keep_ratio or 0.0) * k.shape[0]))
+    def compact_head(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scaling: float,
+        t: int | None = None,
+        key_scores: torch.Tensor | None = None,
+    ) -> am.Compacted:
+        """Q (n, d) reference queries, k (T, d), v (T, dv) of one block -> t entries (default ``size(T)``).
+
+        ``key_scores`` (T,) pick the keys when ``keys=kvzip``. ``head_timings`` holds this call's steps.
+        """
+        t = self.size(k.shape[0]) if t is None else t
+        self.head_timings = {}
         start = time.perf_counter()
-        b = am.block(q, k, v, scaling, self.work)  # E and the targets, shared by every step
+        b = am.block(q, k, v, scaling, WORK_DTYPES[self.work_dtype])  # E and the targets, shared by every step
+        start = self._timed("block_s", start)
         beta: torch.Tensor | None = None
         if self.keys == "omp":
             idx, beta = am.omp_keys(b, t, bounds=self.bounds, **self.omp)
+        elif self.keys == "kvzip":
+            if key_scores is None:
+                raise KVResearchError(f"method {self.name}: keys=kvzip needs the KVzip+ scores of the block.")
+            idx = key_scores.topk(min(t, len(key_scores))).indices.sort().values
         else:
             idx = am.highest_attention_keys(b, t, self.reduce)
         start = self._timed("keys_s", start)
@@ -180,44 +185,200 @@ class AttentionMatching(Method):
         self._timed("values_s", start)
         return am.Compacted(idx, ck, beta, values)
 
+    def _timed(self, step: str, start: float) -> float:
+        now = time.perf_counter()
+        self.head_timings[step] = now - start
+        self.timings[step] = self.timings.get(step, 0.0) + now - start
+        return now
+
+    # ------------------------------------------------------------------ the whole cache
     @torch.no_grad()
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
-        """Reference queries, a dense prefill, then every global layer's heads compacted in the ragged cache."""
-        self.timings, self._report = {}, {}
+        """Queries, one dense prefill, every global layer's heads compacted on the span (see the module docstring)."""
+        self.timings, self._report, self._errors = {}, {}, {}
         start = time.perf_counter()
-        per_source = [SOURCES[name](session, prompt, self.seed) for name in self.queries]
-        queries = [torch.cat([src[layer] for src in per_source], dim=1) for layer in range(len(per_source[0]))]
+        want_context = "context" in self.queries or "random" in self.queries
+        prefill, context_q = prefill_with_queries(session, prompt.context_ids, want_context)
+        fixed = fixed_queries(context_q, self.queries, self.seed)
+        n = prompt.context_ids.shape[1]
+        span = prompt.article if self.span == "article" else slice(0, n)
+        if span.stop - span.start < 1:
+            raise KVResearchError(f"method {self.name}: the prompt has no context tokens to compact.")
+        step = self.chunk_tokens or (span.stop - span.start)
+        chunks = [slice(s, min(s + step, span.stop)) for s in range(span.start, span.stop, step)]
+        study = (
+            self_study_continuations(session, prompt, prefill.cache, self.study, self.seed)
+            if "self_study" in self.queries
+            else []
+        )
         self.timings["queries_s"] = time.perf_counter() - start
-        prefill = session.dense_prefill(prompt.context_ids)
-        cache = prefill.ragged()
-        group = session.adapter.group_size
-        errors: dict[tuple[int, int], dict[str, float]] = {}
-        for index, spec in enumerate(session.adapter.layers):
-            if spec.sliding_window is not None:
-                continue
-            layer = cache.ragged[index]
-            keys, values = prefill.kv(index)  # (Hkv, T, d)
-            results = []
-            for h in range(keys.shape[0]):
-                q = pooled(queries[index], h, group, self.max_queries, self.seed + h)
-                n_test = int(self.holdout * q.shape[0])
-                k_h, v_h = keys[h].double().cpu(), values[h].double().cpu()
-                results.append(self.compact_head(q[n_test:], k_h, v_h, spec.scaling))
-                if n_test:
-                    errors[(index, h)] = am.reconstruction_errors(q[:n_test], k_h, v_h, results[-1], spec.scaling)
-            layer.keep_only([r.idx for r in results])
-            for h, r in enumerate(results):
-                layer.set_bias(h, r.beta)
-                layer.set_values(h, r.values)
-        if errors:  # float64 errors on held-out queries, per (layer, KV head) and averaged
-            self._report = {
-                "heldout_output_rel_l2": sum(e["output_rel_l2"] for e in errors.values()) / len(errors),
-                "heldout_mass_rel": sum(e["mass_rel"] for e in errors.values()) / len(errors),
-                "per_layer_head": {f"L{i}H{h}": e for (i, h), e in errors.items()},
+        kvzip = self._kvzip(session, prompt, prefill) if self.keys == "kvzip" else None
+        globals_ = [i for i, spec in enumerate(session.adapter.layers) if spec.sliding_window is None]
+        out = prefill.ragged()
+        if self.on_policy:
+            entries = self._on_policy(session, prompt, prefill, span, fixed, study, globals_, kvzip)
+        else:
+            pieces: dict[int, list[list[tuple[slice, am.Compacted]]]] = {
+                i: [[] for _ in range(prefill.kv(i)[0].shape[0])] for i in globals_
             }
-        self._report["timings_s"] = dict(self.timings)
-        remember_prompt(cache, prompt)
-        return cache
+            for chunk in chunks:
+                queries = self._suffix_queries(session, prompt, prefill, chunk, study, fixed)
+                sizes = None
+                if self.budgets == "global_model":
+                    sizes = self._global_model_sizes(prefill, queries, chunk, globals_, session)
+                for i in globals_:
+                    for h, piece in enumerate(
+                        self._compact_layer(session, prefill, i, queries[i], chunk, kvzip, sizes)
+                    ):
+                        pieces[i][h].append(piece)
+            entries = {
+                i: [assemble(prefill, i, h, p, span) for h, p in enumerate(by_head)] for i, by_head in pieces.items()
+            }
+        for i, by_head in entries.items():
+            apply(out.ragged[i], by_head)
+        self._report = {**heldout_summary(self._errors), "timings_s": dict(self.timings)}
+        remember_prompt(out, prompt)
+        return out
+
+    def _suffix(self, session: Session, prompt: Prompt, chunk: slice, study: list[torch.Tensor]) -> torch.Tensor | None:
+        pieces = ([repeat_continuation(session, prompt, chunk)] if "repeat" in self.queries else []) + study
+        return torch.cat(pieces, dim=1) if pieces else None
+
+    def _suffix_queries(
+        self,
+        session: Session,
+        prompt: Prompt,
+        prefill: Prefill,
+        chunk: slice,
+        study: list[torch.Tensor],
+        fixed: list[torch.Tensor] | None,
+    ) -> list[torch.Tensor]:
+        """Per layer (q_heads, n, d): the continuation suffix's queries over the full context, then the fixed ones."""
+        start = time.perf_counter()
+        store: dict[int, torch.Tensor] = {}
+        suffix = self._suffix(session, prompt, chunk, study)
+        if suffix is not None:
+            push_suffix(session, copy.deepcopy(prefill.cache), suffix, store.__setitem__)
+        layers = range(prefill.num_layers)
+        parts = [[store[i] for i in layers]] if store else []
+        if fixed is not None:
+            parts.append(fixed)
+        self.timings["queries_s"] = self.timings.get("queries_s", 0.0) + time.perf_counter() - start
+        return [torch.cat([p[i] for p in parts], dim=1) for i in layers]
+
+    def _on_policy(
+        self,
+        session: Session,
+        prompt: Prompt,
+        prefill: Prefill,
+        span: slice,
+        fixed: list[torch.Tensor] | None,
+        study: list[torch.Tensor],
+        layers: list[int],
+        kvzip: list[torch.Tensor] | None,
+    ) -> dict[int, list[HeadEntries]]:
+        """One pass of the suffix; each layer compacted in place just before the suffix attends to it."""
+        work = prefill.ragged()
+        entries: dict[int, list[HeadEntries]] = {}
+        suffix = self._suffix(session, prompt, span, study)
+        assert suffix is not None  # checked in __post_init__
+
+        inside = 0.0
+
+        def compact_here(index: int, q: torch.Tensor) -> None:
+            nonlocal inside
+            if index not in layers:
+                return
+            begin = time.perf_counter()
+            if fixed is not None:
+                q = torch.cat([q, fixed[index]], dim=1)
+            pieces = self._compact_layer(session, prefill, index, q, span, kvzip, None)
+            entries[index] = [assemble(prefill, index, h, [p], span) for h, p in enumerate(pieces)]
+            apply(work.ragged[index], entries[index])
+            inside += time.perf_counter() - begin
+
+        start = time.perf_counter()
+        push_suffix(session, work, suffix, compact_here)
+        self.timings["queries_s"] = self.timings.get("queries_s", 0.0) + time.perf_counter() - start - inside
+        return entries
+
+    def _block(self, prefill: Prefill, index: int, chunk: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = prefill.kv(index)  # (Hkv, T, d)
+        return keys[:, chunk].double().cpu(), values[:, chunk].double().cpu()
+
+    def _sizes(self, index: int, heads: int, n: int, blocks: list[am.Block] | None, layers: int) -> list[int]:
+        """Entries per head of layer ``index`` for a block of n tokens."""
+        if self.shares is not None:
+            keys = [(index, h) for h in range(heads)]
+            all_heads = [(i, h) for i in range(layers) for h in range(heads) if (i, h) in self.shares]
+            sizes = budgets.sizes_from_shares(self.shares, all_heads, float(self.keep_ratio or 0), n)
+            return [sizes[k] for k in keys]
+        if self.budgets == "global_layer" and blocks is not None:
+            scores = {(index, h): am.key_scores(b, self.reduce) for h, b in enumerate(blocks)}
+            sizes = budgets.sizes_from_scores(scores, float(self.keep_ratio or 0))
+            return [sizes[(index, h)] for h in range(heads)]
+        return [self.size(n)] * heads
+
+    def _compact_layer(
+        self,
+        session: Session,
+        prefill: Prefill,
+        index: int,
+        layer_q: torch.Tensor,
+        chunk: slice,
+        kvzip: list[torch.Tensor] | None,
+        sizes: dict[tuple[int, int], int] | None,
+    ) -> list[tuple[slice, am.Compacted]]:
+        """Compact every KV head of layer ``index`` on ``chunk``; (chunk, result) per head, held-out errors noted."""
+        spec = session.adapter.layers[index]
+        keys, values = self._block(prefill, index, chunk)
+        heads, group = keys.shape[0], session.adapter.group_size
+        qs = [pooled(layer_q, h, group, self.max_queries, self.seed + h) for h in range(heads)]
+        n_test = [int(self.holdout * q.shape[0]) for q in qs]
+        blocks = (
+            [
+                am.block(q[nt:], keys[h], values[h], spec.scaling, WORK_DTYPES[self.work_dtype])
+                for h, (q, nt) in enumerate(zip(qs, n_test, strict=True))
+            ]
+            if self.budgets == "global_layer"
+            else None
+        )
+        n_global = sum(1 for s in session.adapter.layers if s.sliding_window is None)
+        per_head = (
+            [sizes[(index, h)] for h in range(heads)]
+            if sizes is not None
+            else self._sizes(index, heads, chunk.stop - chunk.start, blocks, n_global)
+        )
+        out = []
+        for h in range(heads):
+            score = kvzip[index][h, chunk] if kvzip is not None else None
+            c = self.compact_head(qs[h][n_test[h] :], keys[h], values[h], spec.scaling, per_head[h], score)
+            if n_test[h]:
+                err = am.reconstruction_errors(qs[h][: n_test[h]], keys[h], values[h], c, spec.scaling)
+                self._errors.setdefault((index, h), []).append(err)
+            out.append((chunk, c))
+        return out
+
+    def _global_model_sizes(
+        self, prefill: Prefill, queries: list[torch.Tensor], chunk: slice, layers: list[int], session: Session
+    ) -> dict[tuple[int, int], int]:
+        """One threshold over the RMS attention scores of every compacted head's keys (a first pass)."""
+        group = session.adapter.group_size
+        scores = {}
+        for i in layers:
+            keys, values = self._block(prefill, i, chunk)
+            for h in range(keys.shape[0]):
+                q = pooled(queries[i], h, group, self.max_queries, self.seed + h)
+                q = q[int(self.holdout * q.shape[0]) :]
+                b = am.block(q, keys[h], values[h], session.adapter.layers[i].scaling, WORK_DTYPES[self.work_dtype])
+                scores[(i, h)] = am.key_scores(b, self.reduce)
+        return budgets.sizes_from_scores(scores, float(self.keep_ratio or 0))
+
+    def _kvzip(self, session: Session, prompt: Prompt, prefill: Prefill) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        scores = kvzip_scores(session, prompt, prefill)
+        self.timings["kvzip_scores_s"] = time.perf_counter() - start
+        return scores
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
         """With ``decoding`` set, the cache is re-compressed on its schedule while generating."""

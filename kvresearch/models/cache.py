@@ -197,6 +197,7 @@ class RaggedCache(Cache):
         windows = list(windows) if windows is not None else [None] * num_layers
         super().__init__(layers=[RaggedLayer(w) for w in windows])
         self.method_state: dict[str, Any] = {}  # a method's per-cache state (e.g. KVzap's pending window)
+        self.stands_for: int | None = None  # tokens of the original context, when the cache holds a rewrite of it
 
     @property
     def ragged(self) -> list[RaggedLayer]:
@@ -237,7 +238,7 @@ class RaggedCache(Cache):
         """Tokens seen and kept per layer and KV head, prune ratios, KV bytes (dense-equivalent, kept, allocated)."""
         layers = [layer for layer in self.ragged if layer.is_initialized]
         kept = [layer.kept_per_head().tolist() for layer in layers]
-        seen = [layer.seen * len(k) for layer, k in zip(layers, kept, strict=True)]
+        seen = [(self.stands_for or layer.seen) * len(k) for layer, k in zip(layers, kept, strict=True)]
         total_seen, total_kept = sum(seen), sum(sum(k) for k in kept)
         return {
             "tokens_seen": total_seen,

@@ -2,7 +2,8 @@
 
 ``attention_calls`` wraps the attention function that transformers dispatches to (sdpa, eager,
 flash, ...) so that a callback sees exactly the q, k, v the model attends with, without switching the
-model to eager attention. ``attention_inputs`` records each layer's attention input h;
+model to eager attention. ``before_attention`` calls back with each layer's attention input h
+(``attention_inputs`` records it);
 ``after_attention`` calls back once each attention module has run (its cache is then up to date);
 ``model_calls`` calls back with the input ids before and after every forward pass of the whole model.
 """
@@ -10,7 +11,7 @@ model to eager attention. ``attention_inputs`` records each layer's attention in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -50,12 +51,15 @@ def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Itera
 
 
 @contextmanager
-def attention_inputs(adapter: ModelAdapter, store: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Record ``store[layer] = h`` (batch, seq, hidden), the input of each layer's attention module."""
+def before_attention(adapter: ModelAdapter, callback: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
+    """Call ``callback(layer, h)`` with each attention module's input h (batch, seq, hidden) before it runs.
+
+    The layer's cache holds only the earlier positions at that point, so the callback may rewrite it.
+    """
 
     def hook(index: int) -> Callable[..., None]:
         def record(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            store[index] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            callback(index, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
 
         return record
 
@@ -65,6 +69,11 @@ def attention_inputs(adapter: ModelAdapter, store: dict[int, torch.Tensor]) -> I
     finally:
         for handle in handles:
             handle.remove()
+
+
+def attention_inputs(adapter: ModelAdapter, store: dict[int, torch.Tensor]) -> AbstractContextManager[None]:
+    """Record ``store[layer] = h`` (batch, seq, hidden), the input of each layer's attention module."""
+    return before_attention(adapter, store.__setitem__)
 
 
 @contextmanager

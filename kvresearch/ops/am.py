@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,13 +73,12 @@ def block(
     return Block(e, m, mass, out, duplicate_counts(k))
 
 
-def highest_attention_keys(b: Block, t: int, reduce: str = "rms", pool: int = 0) -> torch.Tensor:
-    """The t keys with the largest RMS (or max, mean) softmax weight over the queries; sorted indices.
+def key_scores(b: Block, reduce: str = "rms", pool: int = 0) -> torch.Tensor:
+    """(T,) each key's RMS (or max, mean) softmax weight over the queries; identical keys count once.
 
-    Identical keys count once, with the weight of all their copies (the first copy stands for them; the
-    fitted beta then carries the multiplicity), so a context that repeats itself wastes no slots; fewer
-    than t keys come back when there are fewer distinct ones. ``pool`` > 0 smooths the per-key score with
-    a 1-D max-pool of that width first (neighbouring tokens).
+    The first of c identical keys scores c times one copy (the others -inf): the fitted beta then carries
+    the multiplicity, so a context that repeats itself wastes no slots. ``pool`` > 1 smooths the scores
+    with a 1-D max-pool of that width (neighbouring tokens).
     """
     inv = 1.0 / b.mass.to(b.e.dtype)  # softmax weights are e / mass, row by row
     n = b.e.shape[0]
@@ -96,7 +96,13 @@ def highest_attention_keys(b: Block, t: int, reduce: str = "rms", pool: int = 0)
     distinct = b.copies > 0
     if not bool(distinct.all()):  # each statistic of c identical columns' summed weight is c times one copy's
         score = torch.where(distinct, score * b.copies.to(score.dtype), -torch.inf)
-    return score.topk(min(t, int(distinct.sum()))).indices.sort().values
+    return score
+
+
+def highest_attention_keys(b: Block, t: int, reduce: str = "rms", pool: int = 0) -> torch.Tensor:
+    """The t keys with the largest ``key_scores``; sorted indices (fewer when fewer keys are distinct)."""
+    score = key_scores(b, reduce, pool)
+    return score.topk(min(t, int((b.copies > 0).sum()))).indices.sort().values
 
 
 def nnls(m: torch.Tensor, y: torch.Tensor, lower: float = 0.0, upper: float = np.inf) -> torch.Tensor:
@@ -146,7 +152,7 @@ def fit_values(
     return torch.nan_to_num(cv)
 
 
-def omp_keys(
+def omp_select(
     b: Block,
     t: int,
     keys_per_step: int = 1,
@@ -155,43 +161,56 @@ def omp_keys(
     bounds: tuple[float, float] = OMP_BOUNDS,
     progressive: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy selection on the mass residual; returns (sorted indices (t,), beta (t,)).
+    """OMP on the mass target as the method defines it; (indices (t,), beta (t,)) in selection order.
 
-    Add the key(s) most correlated with r = y - M w, refit w by bounded NNLS every ``refit_every`` steps
-    (incrementally: the Gram matrix grows by the new columns and the solve starts from the previous
-    weights), optionally drop keys whose log w falls below ``drop_below`` and refill (one round).
-    ``progressive`` > 0 adds ``max(keys_per_step, progressive * chosen)`` keys per step (geometric growth:
-    O(log t) steps for large budgets).
+    Each step scores every unused candidate by its raw correlation ``E[:, j] . r`` with the residual
+    r = y - M w of the mass target y = E 1 (no division by the column norm) and adds the top
+    ``keys_per_step`` (``progressive`` > 0: ``max(keys_per_step, progressive * chosen)``). The weights are
+    refit by bounded NNLS after steps 1, 1 + refit_every, 1 + 2 refit_every, ... (the fast variant's
+    "refit after steps 1, 3, 5"); between refits the new keys sit at the lower bound, as in the reference.
+    With ``drop_below``, once t keys are chosen the keys whose beta = log w falls below it are dropped
+    for good and the budget refilled, repeated until no kept key is below it (or no candidate is left:
+    then fewer than t keys come back).
     """
     columns = b.e.T.contiguous()  # (T, n): a candidate's column is a contiguous row
     n_keys = columns.shape[0]
     t = min(t, n_keys)
     y = b.mass
-    norms = columns.norm(dim=1).clamp_min(1e-30)
     solver = IncrementalNNLS(columns, y, *bounds)
-    taken = torch.zeros(n_keys, dtype=torch.bool)
+    used = torch.zeros(n_keys, dtype=torch.bool)  # chosen now or dropped before
     residual = y.clone()
-    step = 0
-    while len(solver.chosen) < t:
-        corr = (columns @ residual.to(columns.dtype)) / norms  # every candidate scored at once: (T,)
-        corr[taken] = -torch.inf
-        size = max(keys_per_step, int(progressive * len(solver.chosen)))
-        take = corr.topk(min(size, t - len(solver.chosen))).indices
-        taken[take] = True
-        solver.add(take.tolist())
-        step += 1
-        if step % refit_every == 0 or len(solver.chosen) >= t:
-            w = solver.solve()
-            if drop_below is not None and len(solver.chosen) >= t:
-                keep = torch.log(w.clamp_min(bounds[0])) >= drop_below
-                if not bool(keep.all()) and int(keep.sum()) > 0:
-                    solver.keep(keep)  # dropped keys stay excluded from the refill
-                    solver.solve()
-                    drop_below = None  # one drop-and-refill round
+    step, force = 0, True
+    while True:
+        while len(solver.chosen) < t and not bool(used.all()):
+            corr = columns @ residual.to(columns.dtype)  # every candidate scored at once: (T,)
+            corr[used] = -torch.inf
+            size = max(keys_per_step, int(progressive * len(solver.chosen)))
+            take = corr.topk(min(size, t - len(solver.chosen), int((~used).sum()))).indices
+            used[take] = True
+            solver.add(take.tolist())
+            if force or step % refit_every == 0:
+                solver.solve()
+                force = False
             residual = y - solver.fitted()
-    chosen = torch.tensor(solver.chosen)
+            step += 1
+        w = solver.solve()
+        if drop_below is None:
+            break
+        keep = torch.log(w.clamp_min(bounds[0])) >= drop_below
+        if bool(keep.all()):
+            break
+        solver.keep(keep)  # the dropped keys stay in ``used``: never chosen again
+        solver.solve()  # with no candidate left the refill is empty: fewer than t keys, none of them dead
+        residual, force = y - solver.fitted(), True
+    chosen = torch.tensor(solver.chosen, dtype=torch.long)
+    return chosen, torch.log(solver.w.clamp_min(bounds[0]))
+
+
+def omp_keys(b: Block, t: int, *args: Any, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``omp_select`` with the indices sorted (and beta along): (indices (t,), beta (t,))."""
+    chosen, beta = omp_select(b, t, *args, **options)
     order = chosen.argsort()
-    return chosen[order], torch.log(solver.w[order].clamp_min(bounds[0]))
+    return chosen[order], beta[order]
 
 
 @dataclass
@@ -207,14 +226,24 @@ class Compacted:
 def reconstruction_errors(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Compacted, scaling: float
 ) -> dict[str, float]:
-    """Float64 relative L2 error of the attention output and relative error of the attention mass."""
+    """Float64 held-out errors of a compacted block, in both conventions.
+
+    Per query (the papers' definition, averaged over the n queries): ``output_rel_l2_query_mean`` =
+    mean_i ||o_c,i - o_i|| / ||o_i|| and ``mass_rel`` = mean_i |Z_c,i / Z_i - 1|. Pooled over the queries:
+    ``output_rel_l2`` = ||O_c - O||_F / ||O||_F and ``mass_rel_pooled`` = ||z_c - z|| / ||z|| with z_i = Z_i
+    exp(-m_i) (each query's mass on its own max-shifted scale).
+    """
     e, m = shifted_exp(q, k, scaling)
     out = (e / e.sum(dim=1, keepdim=True)) @ v.to(F64)
     mass = e.sum(dim=1)
     s_c = (q.to(F64) @ c.keys.to(F64).T) * scaling + c.beta.to(F64)[None, :] - m[:, None]
     e_c = torch.exp(s_c)
-    out_c = (e_c / e_c.sum(dim=1, keepdim=True).clamp_min(1e-300)) @ c.values.to(F64)
+    mass_c = e_c.sum(dim=1)
+    out_c = (e_c / mass_c[:, None].clamp_min(1e-300)) @ c.values.to(F64)
+    tiny = 1e-300
     return {
-        "output_rel_l2": float((out_c - out).norm() / out.norm().clamp_min(1e-300)),
-        "mass_rel": float(((e_c.sum(dim=1) - mass).abs() / mass).mean()),
+        "output_rel_l2": float((out_c - out).norm() / out.norm().clamp_min(tiny)),
+        "output_rel_l2_query_mean": float(((out_c - out).norm(dim=1) / out.norm(dim=1).clamp_min(tiny)).mean()),
+        "mass_rel": float(((mass_c - mass).abs() / mass).mean()),
+        "mass_rel_pooled": float((mass_c - mass).norm() / mass.norm().clamp_min(tiny)),
     }
