@@ -81,12 +81,14 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in sorted(data):
+    colors = plt.get_cmap("tab20")
+    for i, name in enumerate(sorted(data)):
         points = sorted(data[name], key=lambda r: r["ratio"])
         style = "--" if name in EVICTION else "-"
         for ax, key in zip(axes, ("nll", "agreement"), strict=True):
             xs = [p["ratio"] for p in points if p[key] is not None]
-            ax.plot(xs, [p[key] for p in points if p[key] is not None], style, marker="o", label=name)
+            ys = [p[key] for p in points if p[key] is not None]
+            ax.plot(xs, ys, style, marker="o", color=colors(i % 20), label=name)
     for ax, label in zip(axes, ("NLL per token of the full-cache answers", "exact agreement with full"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("compression ratio (measured, 1 / (1 - prune ratio))")
