@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvresearch.data import head_budgets
 from kvresearch.methods.am_cache import HeadEntries, apply
 from kvresearch.methods.attention_matching import AttentionMatching
 from kvresearch.models.cache import RaggedCache
@@ -102,7 +103,7 @@ def allocate(loss: dict[tuple[HeadKey, float], float], levels: Sequence[float], 
     shares = {h: r / sum(ratios.values()) for h, r in ratios.items()}
     predicted = sum(loss[(h, r)] for h, r in ratios.items())
     return {
-        "shares": budgets.dump_shares(shares),
-        "ratios": budgets.dump_shares(ratios),
+        "shares": head_budgets.dump_shares(shares),
+        "ratios": head_budgets.dump_shares(ratios),
         "predicted_loss_change": predicted,
     }

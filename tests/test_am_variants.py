@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvresearch.capture import chunked_oracle_scores
+from kvresearch.data import head_budgets
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.attention_matching import AttentionMatching
 from kvresearch.methods.summarize import Summarize
@@ -84,9 +85,9 @@ def test_one_chunk_is_the_unchunked_result_and_chunks_keep_their_share(tiny, ses
 def test_budget_file_round_trips_and_uneven_sizes_land_in_the_cache_without_padding(tiny, session, tmp_path) -> None:
     prompt = build_prompt(tiny.tokenizer, TEXT, "How many?")
     heads = [(i, h) for i in range(3) for h in range(2)]
-    raw = dict(zip([budgets.head_name(*k) for k in heads], [0.05, 0.25, 0.1, 0.3, 0.2, 0.1], strict=True))
-    shares = budgets.parse_shares(raw)
-    assert budgets.dump_shares(shares) == raw and abs(sum(shares.values()) - 1) < 1e-12
+    raw = dict(zip([head_budgets.head_name(*k) for k in heads], [0.05, 0.25, 0.1, 0.3, 0.2, 0.1], strict=True))
+    shares = head_budgets.parse_shares(raw)
+    assert head_budgets.dump_shares(shares) == raw and abs(sum(shares.values()) - 1) < 1e-12
     path = tmp_path / "budgets.json"
     path.write_text(json.dumps(raw))
     method = AttentionMatching(keep_ratio=0.2, queries=["repeat"], budgets=str(path))
@@ -100,9 +101,9 @@ def test_budget_file_round_trips_and_uneven_sizes_land_in_the_cache_without_padd
         assert layer.lengths.tolist() == [outside + want[(i, h)] for h in range(2)]
         assert layer.caps.tolist() == layer.lengths.tolist() and layer.k.shape[0] == int(layer.lengths.sum())
     with pytest.raises(KVResearchError, match="sum to 1"):
-        budgets.parse_shares({"L0H0": 0.5})
+        head_budgets.parse_shares({"L0H0": 0.5})
     with pytest.raises(KVResearchError, match="L<layer>H<kv_head>"):
-        budgets.parse_shares({"layer0": 1.0})
+        head_budgets.parse_shares({"layer0": 1.0})
 
 
 def test_global_budgets_spend_the_uniform_total_by_one_threshold(tiny, session) -> None:
@@ -205,7 +206,7 @@ def test_budgets_stage_writes_a_file_that_compaction_loads(tmp_path, tiny, sessi
         compose_stage("budgets", None, [*overrides, "budgets.new_tokens=8", f"paths.root={tmp_path}"]), run
     )
     folder = tmp_path / "budgets" / metrics["run"]["name"]
-    shares = budgets.load_shares(folder / "budgets.json")
+    shares = head_budgets.load_shares(folder / "budgets.json")
     assert set(shares) == {(i, h) for i in range(3) for h in range(2)}
     losses = json.loads((folder / "sensitivities.json").read_text())
     assert len(losses) == 6 * 4 and all(v == 0 for k, v in losses.items() if k.endswith("@0.1"))

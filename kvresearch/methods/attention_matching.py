@@ -9,7 +9,7 @@ keys, our hybrid), beta by bounded NNLS, values by least squares. Sliding-window
 Compacted keys keep their rotary positions; new tokens continue at the original length.
 
 Budgets: every head keeps ``int(keep_ratio * n)`` of the span's n entries, or ``budgets=<file>`` gives
-per-head shares (``ops/budgets.py``, the reference's JSON), or ``budgets=global_layer|global_model``
+per-head shares (``data/head_budgets.py``, the reference's JSON), or ``budgets=global_layer|global_model``
 spreads the same total by one threshold over the RMS attention scores of a layer's (or the model's)
 keys. The ragged cache stores the uneven heads as they are, without padding.
 
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvresearch.data import head_budgets
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.am_cache import HeadEntries, apply, assemble, heldout_summary, kvzip_scores
 from kvresearch.methods.am_queries import (
@@ -123,7 +124,9 @@ class AttentionMatching(Method):
         if self.beta_bounds is not None:
             self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
         self.study = SelfStudy(**dict(self.self_study or {}))
-        self.shares = budgets.load_shares(self.budgets) if self.budgets and self.budgets not in GLOBAL_BUDGETS else None
+        self.shares = (
+            head_budgets.load_shares(self.budgets) if self.budgets and self.budgets not in GLOBAL_BUDGETS else None
+        )
         self.decoding = DecodingBudget.of(self.decoding, recompress=True)
 
     @property

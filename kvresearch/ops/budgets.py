@@ -1,7 +1,7 @@
-"""Per-head budgets for compaction (pure logic): the JSON file, sizes, the greedy exchange.
+"""Per-head budgets for compaction (pure logic): sizes and the greedy exchange.
 
-Sizes come from shares or from key scores; the greedy exchange allocates a fixed total by measured
-sensitivities.
+Sizes come from shares (``data/head_budgets.py`` reads and writes the file) or from key scores; the
+greedy exchange allocates a fixed total by measured sensitivities.
 
 A budget file maps ``"L{layer}H{kv_head}"`` to the head's share of the total (the shares sum to 1), the
 reference code's format. At keep ratio r over a span of n tokens with H compacted heads in total, head
@@ -11,58 +11,20 @@ reference code's format. At keep ratio r over a span of n tokens with H compacte
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from kvresearch.errors import KVResearchError
 
 HeadKey = tuple[int, int]  # (layer, kv_head)
-_KEY = re.compile(r"^L(\d+)H(\d+)$")
-
-
-def head_name(layer: int, head: int) -> str:
-    """The file's key of (layer, kv_head)."""
-    return f"L{layer}H{head}"
-
-
-def parse_shares(raw: dict[str, float], source: str = "budgets") -> dict[HeadKey, float]:
-    """{(layer, head): share} from the file's mapping; shares must be >= 0 and sum to 1 (within 1e-3)."""
-    shares: dict[HeadKey, float] = {}
-    for key, value in raw.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise KVResearchError(f"{source}: key {key!r} is not of the form L<layer>H<kv_head> (e.g. L3H1).")
-        if not value >= 0:
-            raise KVResearchError(f"{source}: share of {key} must be >= 0, got {value}.")
-        shares[(int(match[1]), int(match[2]))] = float(value)
-    total = sum(shares.values())
-    if abs(total - 1) > 1e-3:
-        raise KVResearchError(f"{source}: shares must sum to 1, they sum to {total:.6f}; normalise the file.")
-    return shares
-
-
-def load_shares(path: str | Path) -> dict[HeadKey, float]:
-    """Read a budget file (see the module docstring)."""
-    p = Path(path)
-    if not p.is_file():
-        raise KVResearchError(f"budget file {p} does not exist; write one with `make budgets` or pass budgets=null.")
-    return parse_shares(json.loads(p.read_text()), str(p))
-
-
-def dump_shares(shares: dict[HeadKey, float]) -> dict[str, float]:
-    """The file's mapping, in (layer, head) order."""
-    return {head_name(layer, head): shares[(layer, head)] for layer, head in sorted(shares)}
 
 
 def sizes_from_shares(
     shares: dict[HeadKey, float], heads: Sequence[HeadKey], keep_ratio: float, n: int
 ) -> dict[HeadKey, int]:
     """Entries kept per head: ``int(share * keep_ratio * n * len(heads))`` clipped to [1, n]."""
-    missing = [head_name(*h) for h in heads if h not in shares]
+    missing = [f"L{layer}H{head}" for layer, head in heads if (layer, head) not in shares]
     if missing:
         raise KVResearchError(f"the budget file has no share for {', '.join(missing[:5])}: made for another model?")
     total = keep_ratio * n * len(heads)

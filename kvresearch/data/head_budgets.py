@@ -1,0 +1,50 @@
+"""The per-head budget file: ``{"L{layer}H{kv_head}": share}``, shares summing to 1 (the reference code's format).
+
+At keep ratio r over a span of n tokens with H compacted heads in total, head (l, h) keeps
+``int(share * r * n * H)`` entries (``ops/budgets.sizes_from_shares``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from kvresearch.errors import KVResearchError
+from kvresearch.ops.budgets import HeadKey
+
+_KEY = re.compile(r"^L(\d+)H(\d+)$")
+
+
+def head_name(layer: int, head: int) -> str:
+    """The file's key of (layer, kv_head)."""
+    return f"L{layer}H{head}"
+
+
+def parse_shares(raw: dict[str, float], source: str = "budgets") -> dict[HeadKey, float]:
+    """{(layer, head): share} from the file's mapping; shares must be >= 0 and sum to 1 (within 1e-3)."""
+    shares: dict[HeadKey, float] = {}
+    for key, value in raw.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise KVResearchError(f"{source}: key {key!r} is not of the form L<layer>H<kv_head> (e.g. L3H1).")
+        if not value >= 0:
+            raise KVResearchError(f"{source}: share of {key} must be >= 0, got {value}.")
+        shares[(int(match[1]), int(match[2]))] = float(value)
+    total = sum(shares.values())
+    if abs(total - 1) > 1e-3:
+        raise KVResearchError(f"{source}: shares must sum to 1, they sum to {total:.6f}; normalise the file.")
+    return shares
+
+
+def load_shares(path: str | Path) -> dict[HeadKey, float]:
+    """Read a budget file (see the module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise KVResearchError(f"budget file {p} does not exist; write one with `make budgets` or pass budgets=null.")
+    return parse_shares(json.loads(p.read_text()), str(p))
+
+
+def dump_shares(shares: dict[HeadKey, float]) -> dict[str, float]:
+    """The file's mapping, in (layer, head) order."""
+    return {head_name(layer, head): shares[(layer, head)] for layer, head in sorted(shares)}
