@@ -94,11 +94,18 @@ def test_a_reference_run_made_under_other_settings_is_refused(tmp_path: Path) ->
 
 
 def test_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> None:
-    metrics = evaluate(tmp_path, "method=am_omp_fast", "method.keep_ratio=0.25", "method.max_queries=256")
+    metrics = evaluate(
+        tmp_path,
+        "method=am_omp_fast",
+        "method.keep_ratio=0.25",
+        "method.max_queries=256",
+        "method.span=all",
+        "method.omp_drop_below=null",
+    )
     assert metrics["method"]["name"] == "am_omp_fast" and abs(metrics["overall"]["prune_ratio"] - 0.75) < 0.02
     record = lines(tmp_path / "evaluate" / metrics["run"]["name"])[0]
     report = record["method_report"]
-    assert set(report["timings_s"]) == {"queries_s", "keys_s", "beta_s", "values_s"}
+    assert set(report["timings_s"]) == {"queries_s", "block_s", "keys_s", "beta_s", "values_s"}
     assert 0.0 <= report["heldout_mass_rel"] < 1.0 and 0.0 <= report["heldout_output_rel_l2"] < 1.0
 
 

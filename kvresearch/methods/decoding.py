@@ -79,7 +79,8 @@ def recompress(method: Method, session: Session, cache: RaggedCache, budget: Dec
     if len(history) != seen:
         raise KVResearchError(f"re-compression: {len(history)} token ids recorded for {seen} positions.")
     cut = seen - budget.protect
-    ratio = min(1.0, (budget.target_size - budget.protect) / cut)
+    kept = cache.method_state["head_len"] if getattr(method, "span", None) == "article" else 0  # AM keeps the template
+    ratio = min(1.0, max(budget.target_size - budget.protect - kept, 1) / max(cut - kept, 1))
     prefix = Prompt(torch.tensor([history[:cut]]), torch.zeros(1, 0, dtype=torch.long), cache.method_state["head_len"])
     changes: dict[str, Any] = {"keep_ratio": ratio, "decoding": None}
     if hasattr(method, "threshold"):
