@@ -95,7 +95,9 @@ sweep-longctx: $(STAMP) ## LongBench, LongBench v2 and QuALITY subsets on the em
 # answers and agreement with them at 3x, 10x, 20x and 50x on the QuALITY subset of sweep-longctx (the same full-cache
 # run) and on RULER 2k. CPU key points: AM_RATIOS=0.1,0.02 (10x and 50x); the default grid is the whole curve.
 AM_RATIOS ?= 0.33,0.1,0.05,0.02
-AM_ONLY ?= am_highest,am_omp,am_highest_budgets,am_omp_budgets,am_highest_onpolicy,am_omp_onpolicy,am_kvzip_keys
+AM_UNIFORM := am_highest,am_omp,am_omp_fast,am_highest_onpolicy,am_omp_onpolicy,am_kvzip_keys,summarize_am
+AM_BUDGETED := am_highest_budgets,am_omp_budgets,am_highest_global_layer,am_omp_global_layer,am_highest_global_model,am_omp_global_model
+AM_ONLY ?= $(AM_UNIFORM),$(AM_BUDGETED)
 AM_METHODS ?= $(AM_ONLY),summarize,kvzip_plus,kvzap_mlp,snapkv,streaming_llm
 AM_RULER := benchmark=ruler benchmark.lengths=[2048] benchmark.samples_per_task=2 evaluate.max_new_tokens=48 \
   benchmark.tasks=[niah_single_2,niah_multikey_1]
