@@ -7,11 +7,19 @@ Documents stream into shards of whole, consecutive documents (``data/shards.py``
 its finished shards; a shard found missing or damaged is redone from its documents and comes out the
 same, so re-running a finished run repairs it. Documents that are empty or whose repeat prompt exceeds
 the model's positions are skipped and counted (not chunked: chunking would change the target's softmax).
+
+Across jobs (``extract.num_shards`` = n, ``extract.shard_index`` = k): job k extracts the k-th of n
+contiguous blocks of the document list into its own run folder (documents keep their global index, so
+positions and rows do not depend on the split); the merge (:func:`merge_parts`, ``shard_index`` null)
+links the parts' shards into one run folder and writes one manifest. Shards are named by their first
+document, so names never collide, and the merged rows are the single job's rows in the same order.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -24,7 +32,7 @@ import torch
 
 from kvresearch.capture import oracle_scores
 from kvresearch.data.corpus import Document
-from kvresearch.data.shards import ShardWriter, finished_shards
+from kvresearch.data.shards import ShardWriter, check_shard, finished_shards
 from kvresearch.errors import KVResearchError
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.progress import Progress
@@ -33,6 +41,19 @@ from kvresearch.runs import read_json, write_json
 
 LOG_FLOOR = 1e-30  # scores that underflow to 0 are clamped here before the log (counted in metrics)
 FORMAT = "kvresearch-extract-v2"
+OTHER_JOB = "other_job"  # a part run's status for the documents another job extracts
+
+
+def part_range(n_docs: int, num_shards: int, shard_index: int) -> range:
+    """Document indices of job ``shard_index`` of ``num_shards``: contiguous blocks, sizes within one."""
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise KVResearchError(
+            f"extract.shard_index={shard_index} with extract.num_shards={num_shards}: the index must be in "
+            f"0..{num_shards - 1} (and num_shards >= 1)."
+        )
+    base, extra = divmod(n_docs, num_shards)
+    start = shard_index * base + min(shard_index, extra)
+    return range(start, start + base + (shard_index < extra))
 
 
 def sample_positions(n_context: int, n_samples: int, seed: int, doc_index: int) -> torch.Tensor:
@@ -89,21 +110,25 @@ class Settings:
         )
 
 
-def extract(adapter: ModelAdapter, tokenizer: Any, docs: list[Document], out_dir: Path, s: Settings) -> dict[str, Any]:
-    """Extract every document not yet in a finished shard of ``out_dir/shards``; return the run's counts."""
+def extract(
+    adapter: ModelAdapter, tokenizer: Any, docs: list[Document], out_dir: Path, s: Settings, part: range | None = None
+) -> dict[str, Any]:
+    """Extract every document (of ``part``, None: all) not yet in a finished shard; return the run's counts."""
     pieces = template_pieces(tokenizer)
     overhead = prompt_overhead(tokenizer)
     shard_root = out_dir / "shards"
     done_docs = {d for meta in finished_shards(shard_root, full=True, repair=True) for d in meta["documents"]}
     writer = ShardWriter(shard_root, s.hidden_dtype, s.rows_per_shard)
+    part = range(len(docs)) if part is None else part
     status: dict[int, str] = dict.fromkeys(done_docs, "done")
+    status |= {i: OTHER_JOB for i in range(len(docs)) if i not in part}
     tokens = clamped = extracted = 0
     start = time.perf_counter()
-    bar = Progress(len(docs), "extract", unit="doc")
+    bar = Progress(len(part), "extract", unit="doc")
     bar.update(len(done_docs))
     for index, doc in enumerate(docs):
-        if index in done_docs:
-            writer.flush()  # a shard never spans a document that another shard holds
+        if index in done_docs or index not in part:
+            writer.flush()  # a shard never spans a document that another shard (or job) holds
             continue
         ids = tokenizer(doc.text, add_special_tokens=False).input_ids
         if not ids:
@@ -128,21 +153,9 @@ def extract(adapter: ModelAdapter, tokenizer: Any, docs: list[Document], out_dir
     return {"status": status, "extracted": extracted, "tokens": tokens, "clamped": clamped, "elapsed": elapsed}
 
 
-def write_manifest(
-    out_dir: Path,
-    docs: list[Document],
-    counts: dict[str, Any],
-    model: str,
-    layout: dict[str, Any],
-    corpus: dict[str, Any],
-) -> dict[str, Any]:
-    """Write the run's manifest.json (model, layout, corpus, documents, shards); return the run's metrics."""
-    shards = finished_shards(out_dir / "shards")
-    status = counts["status"]
-    tally = Counter(status.values())
-    if tally["done"] == 0:
-        raise KVResearchError(f"No document was extracted ({dict(tally)}); check the corpus config.")
-    documents = [
+def document_rows(docs: list[Document], status: dict[int, str]) -> list[dict[str, Any]]:
+    """The manifest's documents: index, id, source, split, tokens and what became of each."""
+    return [
         {
             "index": i,
             "doc_id": d.doc_id,
@@ -153,6 +166,21 @@ def write_manifest(
         }
         for i, d in enumerate(docs)
     ]
+
+
+def write_manifest(
+    out_dir: Path,
+    documents: list[dict[str, Any]],
+    counts: dict[str, Any],
+    model: str,
+    layout: dict[str, Any],
+    corpus: dict[str, Any],
+) -> dict[str, Any]:
+    """Write the run's manifest.json (model, layout, corpus, documents, shards); return the run's metrics."""
+    shards = finished_shards(out_dir / "shards")
+    tally = Counter(d["status"] for d in documents)
+    if tally["done"] == 0:
+        raise KVResearchError(f"No document was extracted ({dict(tally)}); check the corpus config.")
     rows = sum(m["rows"] for m in shards)
     manifest = {
         "format": FORMAT,
@@ -180,6 +208,54 @@ def write_manifest(
         "tokens_per_s": counts["tokens"] / counts["elapsed"] if counts["extracted"] else math.nan,
         "clamped_scores": counts["clamped"],
     }
+
+
+def _link_shard(source: Path, target: Path) -> None:
+    """``target`` as a copy of the finished shard ``source``: hard links (a copy across file systems), renamed in."""
+    if target.is_dir():
+        try:
+            check_shard(target)
+            return
+        except KVResearchError:
+            shutil.rmtree(target)
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in source.iterdir():
+        try:
+            os.link(file, tmp / file.name)
+        except OSError:
+            shutil.copy2(file, tmp / file.name)
+    os.replace(tmp, target)
+
+
+def merge_parts(out_dir: Path, parts: list[Path]) -> dict[str, Any]:
+    """One run from finished part runs: their shards linked into ``out_dir/shards``, one manifest; the metrics."""
+    fix = "Re-run that part (the same command with its extract.shard_index): it repairs itself."
+    manifests = [read_json(p / "manifest.json", fix) for p in parts]
+    first = manifests[0]
+    status: dict[int, str] = {}
+    for part, manifest in zip(parts, manifests, strict=True):
+        for key in ("model", "layout", "corpus"):
+            if manifest[key] != first[key]:
+                raise KVResearchError(
+                    f"The extract parts differ in {key}: {part} has {manifest[key]}, {parts[0]} has {first[key]}. "
+                    "Merge parts of one sweep only (the same overrides but extract.shard_index)."
+                )
+        if [d["doc_id"] for d in manifest["documents"]] != [d["doc_id"] for d in first["documents"]]:
+            raise KVResearchError(f"{part} lists other documents than {parts[0]}: not parts of one extract run.")
+        for d in manifest["documents"]:
+            if d["status"] != OTHER_JOB:
+                if d["index"] in status:
+                    raise KVResearchError(f"Document {d['index']} was extracted by two parts (one is {part}).")
+                status[d["index"]] = d["status"]
+        for shard in manifest["shards"]:
+            _link_shard(part / "shards" / shard["name"], out_dir / "shards" / shard["name"])
+    documents = [{**d, "status": status.get(d["index"], "missing")} for d in first["documents"]]
+    clamped = sum(int(read_json(p / "metrics.json", fix).get("clamped_scores", 0)) for p in parts)
+    counts = {"extracted": 0, "tokens": 0, "clamped": clamped, "elapsed": 0.0}
+    metrics = write_manifest(out_dir, documents, counts, first["model"], first["layout"], first["corpus"])
+    return {**metrics, "merged_parts": [str(p) for p in parts]}
 
 
 def verify(out_dir: Path) -> None:

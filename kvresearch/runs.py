@@ -195,6 +195,13 @@ def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str) -> list[Path]:
     return [Path(out_dir).parent / run_name(",".join(sorted(lines))) for lines in ([*kept, add], kept)]
 
 
+def run_with(out_dir: Path, add: str) -> Path:
+    """The folder of the run named by all of this job's overrides plus ``add`` (a part of a sharded run)."""
+    overrides, excluded = hydra_overrides()
+    kept = [line for line in overrides if line.split("=", 1)[0].lstrip("+~") not in excluded]
+    return Path(out_dir).parent / run_name(",".join(sorted([*kept, add])))
+
+
 def _unless_set(value: Any, default: Any) -> Any:
     """``default`` when ``value`` is null, else null: one knob's default that gives way to another."""
     return default if value is None else None

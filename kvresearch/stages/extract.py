@@ -2,23 +2,59 @@
 
 ``python -m kvresearch.stages.extract [model=...] [corpus=offline_english|nemotron_sample]`` (``make extract``).
 Re-running a finished run checks its shards and redoes any that are missing or damaged.
+
+Across jobs: ``-m extract.num_shards=N extract.shard_index=0,...,N-1`` (one run folder per part, e.g. a
+SLURM array), then ``extract.num_shards=N`` alone merges the parts (named like this run plus
+``extract.shard_index=k``, or listed in ``extract.parts``) into one run that training reads.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from kvresearch.data.corpus import load_corpus
 from kvresearch.errors import KVResearchError
-from kvresearch.extraction import Settings, cap_documents, extract, prompt_overhead, verify, write_manifest
+from kvresearch.extraction import (
+    Settings,
+    cap_documents,
+    document_rows,
+    extract,
+    merge_parts,
+    part_range,
+    prompt_overhead,
+    verify,
+    write_manifest,
+)
 from kvresearch.models import ModelAdapter, load_model
-from kvresearch.runs import RunContext, stage_main
+from kvresearch.runs import RunContext, is_done, resolve_run, run_with, stage_main
+
+
+def parts(cfg: DictConfig, ctx: RunContext) -> list[Path]:
+    """The finished part runs to merge: ``extract.parts``, else this run's name plus each shard index."""
+    n = int(cfg.extract.num_shards)
+    if cfg.extract.parts:
+        return [resolve_run(str(p), "extract", cfg.paths.root) for p in cfg.extract.parts]
+    folders = [run_with(ctx.out_dir, f"extract.shard_index={k}") for k in range(n)]
+    missing = [str(f) for f in folders if not is_done(f)]
+    if missing:
+        raise KVResearchError(
+            f"Cannot merge: {len(missing)} of {n} extract parts are not finished ({'; '.join(missing[:4])}). Run "
+            f"them first: the same command with `-m extract.shard_index={','.join(map(str, range(n)))}` "
+            "(a finished part is skipped), or list finished runs in extract.parts."
+        )
+    return folders
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
-    """Load the model and corpus, extract what is not done yet, write the manifest."""
+    """Load the model and corpus, extract what is not done yet (of this job's part), write the manifest.
+
+    With ``num_shards`` > 1 and no ``shard_index``: merge the finished parts instead (no model needed).
+    """
+    if int(cfg.extract.num_shards) > 1 and cfg.extract.shard_index is None:
+        return merge_parts(ctx.out_dir, parts(cfg, ctx))
     loaded = load_model(cfg.model)
     adapter, tokenizer = ModelAdapter(loaded.model), loaded.tokenizer
     settings = Settings.from_config(cfg.extract, cfg.seed, cfg.model.max_context)
@@ -30,10 +66,12 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         )
     docs, corpus = load_corpus(cfg.corpus, tokenizer, cfg.seed)
     docs = cap_documents(docs, cfg.extract.max_docs)
-    counts = extract(adapter, tokenizer, docs, ctx.out_dir, settings)
+    part = part_range(len(docs), int(cfg.extract.num_shards), int(cfg.extract.shard_index or 0))
+    counts = extract(adapter, tokenizer, docs, ctx.out_dir, settings, part)
     layout: dict[str, Any] = {"layers": adapter.num_layers, "hidden": adapter.hidden_size}
     layout |= {"kv_heads": adapter.num_kv_heads, "hidden_dtype": settings.hidden_dtype}
-    return write_manifest(ctx.out_dir, docs, counts, loaded.name, layout, {"name": cfg.corpus.name, **corpus})
+    documents = document_rows(docs, counts["status"])
+    return write_manifest(ctx.out_dir, documents, counts, loaded.name, layout, {"name": cfg.corpus.name, **corpus})
 
 
 main = stage_main("extract", run, verify)

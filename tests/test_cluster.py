@@ -1,0 +1,64 @@
+"""Work split across jobs: a sharded extract merges to the single job's rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvresearch.errors import KVResearchError
+from kvresearch.extraction import part_range
+from kvresearch.runs import execute
+from kvresearch.stages.extract import run as extract_run
+from kvresearch.stages.extract import verify
+from kvresearch.surrogate.data import ExtractRun
+from tests.helpers import compose_stage
+from tests.test_extract import TINY
+
+EXTRACT = [*TINY, "extract.rows_per_shard=100"]  # 40 rows per document: a single job's shards span 3 documents
+
+
+def test_part_ranges_cover_the_documents_once_in_order() -> None:
+    for n_docs in (0, 1, 5, 7, 12):
+        for n in (1, 2, 3, 5):
+            parts = [part_range(n_docs, n, k) for k in range(n)]
+            assert [i for p in parts for i in p] == list(range(n_docs))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(KVResearchError, match=r"shard_index=2 with extract.num_shards=2"):
+        part_range(4, 2, 2)
+
+
+def all_rows(folder: Path) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+    data = ExtractRun(folder)
+    rows = np.arange(len(data.doc))
+    positions = np.concatenate([np.asarray(s.pos) for s in data.shards])
+    return data.doc, positions, *data.fetch(rows)
+
+
+def test_a_two_way_sharded_extract_merges_to_the_single_job_rows(tmp_path: Path) -> None:
+    single = execute(compose_stage("extract", tmp_path / "single", EXTRACT), extract_run)
+    shards = ["extract.num_shards=2"]
+    for k in range(2):
+        part = execute(
+            compose_stage("extract", tmp_path / f"p{k}", [*EXTRACT, *shards, f"extract.shard_index={k}"]), extract_run
+        )
+        assert part["documents_done"] == 2
+        statuses = [d["status"] for d in json.loads((tmp_path / f"p{k}" / "manifest.json").read_text())["documents"]]
+        assert statuses == (["done"] * 2 + ["other_job"] * 2)[:: 1 if k == 0 else -1]
+    with pytest.raises(KVResearchError, match=r"Cannot merge: 2 of 2 extract parts are not finished"):
+        execute(compose_stage("extract", tmp_path / "alone", [*EXTRACT, *shards]), extract_run)
+    parts = f"extract.parts=[{tmp_path / 'p0'},{tmp_path / 'p1'}]"
+    merged = execute(compose_stage("extract", tmp_path / "merged", [*EXTRACT, *shards, parts]), extract_run, verify)
+    assert merged["documents_done"] == single["documents_done"] == 4 and merged["samples"] == single["samples"]
+    assert (merged["shards"], single["shards"]) == (
+        2,
+        2,
+    )  # other boundaries: documents [0, 1], [2, 3] vs [0, 1, 2], [3]
+    for a, b in zip(all_rows(tmp_path / "single"), all_rows(tmp_path / "merged"), strict=True):
+        assert (a == b).all() if isinstance(a, np.ndarray) else torch.equal(a, b)
+    manifests = [json.loads((tmp_path / f / "manifest.json").read_text()) for f in ("single", "merged")]
+    assert manifests[0]["documents"] == manifests[1]["documents"]
+    assert all(manifests[0][k] == manifests[1][k] for k in ("model", "layout", "corpus", "rows"))
