@@ -40,6 +40,7 @@ from kvresearch.runs import is_done, read_json, resolve_run, sibling_runs, write
 from kvresearch.tracking import Tracker
 
 ANSWER_GROUPS = ("model", "benchmark", "evaluate")  # what a full-cache answer depends on
+SHARD_KEYS = ("evaluate.shard_index", "evaluate.num_shards")  # how the samples were split: not what answers depend on
 REQUIRED = ("id", "group", "task", "prediction", "score", "answer_ids", "prompt_sha1", "prune_ratio")
 
 
@@ -104,7 +105,10 @@ def find_reference(explicit: str | None, out_dir: Path, root: Path) -> Path | No
     """
     if explicit:
         return resolve_run(explicit, "evaluate", root)
-    return next((p for p in sibling_runs(out_dir, ANSWER_GROUPS, "method=full") if is_done(p)), None)
+    # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
+    merged = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS[:1])
+    whole = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS)
+    return next((p for p in [*merged, *whole] if is_done(p) and p != out_dir), None)
 
 
 def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -242,6 +246,27 @@ def _full_answer(
             )
         return list(known["answer_ids"]), "reference_run"
     return respond(session, full_cache(), prompt, question, settings).tokens, "computed"
+
+
+def merge_predictions(out_dir: Path, parts: list[Path], expect: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict]:
+    """The records of finished part runs in order, written to ``out_dir``'s predictions; the first part's metrics.
+
+    Every part must have been made with the same method and the settings in ``expect`` (model, benchmark).
+    """
+    fix = "Re-run that part (the same command with its evaluate.shard_index), or merge parts of one sweep only."
+    first = read_json(parts[0] / "metrics.json", fix)
+    records: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        metrics = read_json(part / "metrics.json", fix)
+        for key, value in {**expect, "method": first["method"]}.items():
+            if metrics.get(key) != value:
+                raise KVResearchError(f"The evaluate part {part} was made with another {key} than this merge's. {fix}")
+        for rid, record in Predictions(part / "predictions.jsonl").load().items():
+            if rid in records:
+                raise KVResearchError(f"Answer {rid} is in two evaluate parts (one is {part}): {fix}")
+            records[rid] = record
+    write_atomic(out_dir / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records.values()))
+    return list(records.values()), first
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

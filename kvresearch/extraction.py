@@ -44,18 +44,6 @@ FORMAT = "kvresearch-extract-v2"
 OTHER_JOB = "other_job"  # a part run's status for the documents another job extracts
 
 
-def part_range(n_docs: int, num_shards: int, shard_index: int) -> range:
-    """Document indices of job ``shard_index`` of ``num_shards``: contiguous blocks, sizes within one."""
-    if num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise KVResearchError(
-            f"extract.shard_index={shard_index} with extract.num_shards={num_shards}: the index must be in "
-            f"0..{num_shards - 1} (and num_shards >= 1)."
-        )
-    base, extra = divmod(n_docs, num_shards)
-    start = shard_index * base + min(shard_index, extra)
-    return range(start, start + base + (shard_index < extra))
-
-
 def sample_positions(n_context: int, n_samples: int, seed: int, doc_index: int) -> torch.Tensor:
     """Sorted random context offsets, a pure function of (seed, document index) so resumes agree."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + doc_index)

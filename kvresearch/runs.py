@@ -179,8 +179,10 @@ def hydra_overrides() -> tuple[list[str], list[str]]:
     return list(hydra_cfg.overrides.task), list(hydra_cfg.job.config.override_dirname.exclude_keys)
 
 
-def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str) -> list[Path]:
+def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str, drop: tuple[str, ...] = ()) -> list[Path]:
     """Folders of the runs with only this job's overrides of the groups ``keep``, plus ``add`` or not.
+
+    Override keys in ``drop`` are left out of both names.
 
     The first is named as Hydra names a run given ``add`` explicitly, the second as one that takes its
     default; e.g. the ``method=full`` runs beside ``method=kvzap_mlp,benchmark.lengths=[2048]`` are
@@ -190,7 +192,7 @@ def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str) -> list[Path]:
     kept = []
     for line in overrides:
         key = line.split("=", 1)[0].lstrip("+~")
-        if key not in excluded and key.split(".")[0] in keep:
+        if key not in excluded and key not in drop and key.split(".")[0] in keep:
             kept.append(line)
     return [Path(out_dir).parent / run_name(",".join(sorted(lines))) for lines in ([*kept, add], kept)]
 

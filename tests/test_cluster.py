@@ -1,4 +1,4 @@
-"""Work split across jobs: a sharded extract merges to the single job's rows."""
+"""Work split across jobs: a sharded extract merges to the single job's rows, a sharded evaluation to its metrics."""
 
 from __future__ import annotations
 
@@ -10,13 +10,24 @@ import pytest
 import torch
 
 from kvresearch.errors import KVResearchError
-from kvresearch.extraction import part_range
 from kvresearch.runs import execute
+from kvresearch.sharding import part_range
 from kvresearch.stages.extract import run as extract_run
 from kvresearch.stages.extract import verify
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage
+from tests.test_evaluate import SMALL, evaluate, lines
 from tests.test_extract import TINY
+
+CHANGED = {"evaluate.max_samples": "4", "benchmark.samples_per_task": "2"}  # 4 samples, 2 per part
+SMALL_EVAL = [x for x in SMALL if x.split("=")[0] not in CHANGED] + [f"{k}={v}" for k, v in CHANGED.items()]
+
+
+def single_full(root: Path) -> str:
+    """The unsplit full-cache run that every part takes its reference answers from."""
+    metrics = evaluate(root, "method=full", base=tuple(SMALL_EVAL))
+    return str(root / "evaluate" / metrics["run"]["name"])
+
 
 EXTRACT = [*TINY, "extract.rows_per_shard=100"]  # 40 rows per document: a single job's shards span 3 documents
 
@@ -24,11 +35,11 @@ EXTRACT = [*TINY, "extract.rows_per_shard=100"]  # 40 rows per document: a singl
 def test_part_ranges_cover_the_documents_once_in_order() -> None:
     for n_docs in (0, 1, 5, 7, 12):
         for n in (1, 2, 3, 5):
-            parts = [part_range(n_docs, n, k) for k in range(n)]
+            parts = [part_range(n_docs, n, k, "extract") for k in range(n)]
             assert [i for p in parts for i in p] == list(range(n_docs))
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(KVResearchError, match=r"shard_index=2 with extract.num_shards=2"):
-        part_range(4, 2, 2)
+        part_range(4, 2, 2, "extract")
 
 
 def all_rows(folder: Path) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
@@ -62,3 +73,28 @@ def test_a_two_way_sharded_extract_merges_to_the_single_job_rows(tmp_path: Path)
     manifests = [json.loads((tmp_path / f / "manifest.json").read_text()) for f in ("single", "merged")]
     assert manifests[0]["documents"] == manifests[1]["documents"]
     assert all(manifests[0][k] == manifests[1][k] for k in ("model", "layout", "corpus", "rows"))
+
+
+def test_a_two_way_sharded_evaluation_merges_to_the_single_job_metrics(tmp_path: Path) -> None:
+    base, snapkv = tuple(SMALL_EVAL), ("method=snapkv", "method.keep_ratio=0.5")
+    full = single_full(tmp_path)
+    single = evaluate(tmp_path, *snapkv, base=base)
+    for k in range(2):
+        part = evaluate(tmp_path, *snapkv, "evaluate.num_shards=2", f"evaluate.shard_index={k}", base=base)
+        assert part["overall"]["samples"] == 2
+        assert part["reference_run"] == full and part["full_answers_from"] == {"reference_run": 2}
+    merged = evaluate(tmp_path, *snapkv, "evaluate.num_shards=2", base=base)
+    assert "evaluate.num_shards=2" in merged["run"]["overrides"] and len(merged["merged_parts"]) == 2
+    assert merged["method"] == single["method"] and merged["reference_run"] == full
+    timing = ("compress_s", "decode_s")
+    blocks = [{"overall": m["overall"], **m["tasks"]} for m in (single, merged)]
+    assert blocks[0].keys() == blocks[1].keys() and len(blocks[0]) == 3
+    for name in blocks[0]:
+        one, two = ({k: v for k, v in b[name].items() if k not in timing} for b in blocks)
+        assert one == two, name
+    folder = tmp_path / "evaluate"
+    fields = ("id", "prediction", "score", "prune_ratio", "full_answer_nll")
+    answers = [[{k: r[k] for k in fields} for r in lines(folder / m["run"]["name"])] for m in (single, merged)]
+    assert answers[0] == answers[1] and len(answers[0]) == 4
+    with pytest.raises(KVResearchError, match=r"Cannot merge: 2 of 2 evaluate parts are not finished"):
+        evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5", "evaluate.num_shards=2", base=base)

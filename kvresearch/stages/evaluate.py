@@ -1,7 +1,9 @@
 """Stage ``evaluate``: one model x one method x one benchmark (``kvresearch/evaluation.py`` does the work).
 
 ``python -m kvresearch.stages.evaluate method=kvzap_mlp method.threshold=-4``; sweep with ``-m``, e.g.
-``-m method=snapkv,kvzap_mlp,am_omp method.keep_ratio=0.5,0.25``.
+``-m method=snapkv,kvzap_mlp,am_omp method.keep_ratio=0.5,0.25``. Across jobs: ``-m evaluate.num_shards=N
+evaluate.shard_index=0,...,N-1`` answers contiguous blocks of the samples, then the same command with
+``evaluate.num_shards=N`` alone merges them (``kvresearch/sharding.py``); its metrics are the single job's.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings
 from kvresearch.benchmarks.loader import load_samples
-from kvresearch.evaluation import evaluate, find_reference, reference_answers, summarize
+from kvresearch.evaluation import evaluate, find_reference, merge_predictions, reference_answers, summarize
 from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.runs import RunContext, build, stage_main
+from kvresearch.sharding import merging, part_range, part_runs
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -26,6 +29,13 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         "model": {k: cfg.model.get(k) for k in ("name", "dtype", "device", "attn_implementation")},
         "benchmark": OmegaConf.to_container(cfg.benchmark, resolve=True),
     }
+    evaluate_cfg = OmegaConf.to_container(cfg.evaluate, resolve=True)
+    shards, index = int(cfg.evaluate.num_shards), cfg.evaluate.shard_index
+    if merging(shards, index):
+        parts = part_runs(ctx.out_dir, "evaluate", shards, cfg.evaluate.parts, Path(cfg.paths.root))
+        records, first = merge_predictions(ctx.out_dir, parts, recorded)
+        merged = {"method": first["method"], "evaluate": evaluate_cfg, "reference_run": first["reference_run"]}
+        return {**recorded, **merged, "merged_parts": [str(p) for p in parts], **summarize(records)}
     folder = (
         find_reference(cfg.evaluate.reference_run, ctx.out_dir, Path(cfg.paths.root)) if settings.fidelity else None
     )
@@ -33,9 +43,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     loaded = load_model(cfg.model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     samples = load_samples(cfg.benchmark, loaded.tokenizer)[: cfg.evaluate.max_samples or None]
+    samples = [samples[i] for i in part_range(len(samples), shards, int(index or 0), "evaluate")]
     records = evaluate(session, method, samples, ctx.out_dir, settings, reference, ctx.tracker)
     summary = summarize(records)
-    evaluate_cfg = OmegaConf.to_container(cfg.evaluate, resolve=True)
     return {
         **recorded,
         "method": method.describe(),

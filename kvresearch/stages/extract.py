@@ -23,29 +23,13 @@ from kvresearch.extraction import (
     document_rows,
     extract,
     merge_parts,
-    part_range,
     prompt_overhead,
     verify,
     write_manifest,
 )
 from kvresearch.models import ModelAdapter, load_model
-from kvresearch.runs import RunContext, is_done, resolve_run, run_with, stage_main
-
-
-def parts(cfg: DictConfig, ctx: RunContext) -> list[Path]:
-    """The finished part runs to merge: ``extract.parts``, else this run's name plus each shard index."""
-    n = int(cfg.extract.num_shards)
-    if cfg.extract.parts:
-        return [resolve_run(str(p), "extract", cfg.paths.root) for p in cfg.extract.parts]
-    folders = [run_with(ctx.out_dir, f"extract.shard_index={k}") for k in range(n)]
-    missing = [str(f) for f in folders if not is_done(f)]
-    if missing:
-        raise KVResearchError(
-            f"Cannot merge: {len(missing)} of {n} extract parts are not finished ({'; '.join(missing[:4])}). Run "
-            f"them first: the same command with `-m extract.shard_index={','.join(map(str, range(n)))}` "
-            "(a finished part is skipped), or list finished runs in extract.parts."
-        )
-    return folders
+from kvresearch.runs import RunContext, stage_main
+from kvresearch.sharding import merging, part_range, part_runs
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
@@ -53,8 +37,9 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
 
     With ``num_shards`` > 1 and no ``shard_index``: merge the finished parts instead (no model needed).
     """
-    if int(cfg.extract.num_shards) > 1 and cfg.extract.shard_index is None:
-        return merge_parts(ctx.out_dir, parts(cfg, ctx))
+    if merging(cfg.extract.num_shards, cfg.extract.shard_index):
+        parts = part_runs(ctx.out_dir, "extract", cfg.extract.num_shards, cfg.extract.parts, Path(cfg.paths.root))
+        return merge_parts(ctx.out_dir, parts)
     loaded = load_model(cfg.model)
     adapter, tokenizer = ModelAdapter(loaded.model), loaded.tokenizer
     settings = Settings.from_config(cfg.extract, cfg.seed, cfg.model.max_context)
@@ -66,7 +51,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         )
     docs, corpus = load_corpus(cfg.corpus, tokenizer, cfg.seed)
     docs = cap_documents(docs, cfg.extract.max_docs)
-    part = part_range(len(docs), int(cfg.extract.num_shards), int(cfg.extract.shard_index or 0))
+    part = part_range(len(docs), int(cfg.extract.num_shards), int(cfg.extract.shard_index or 0), "extract")
     counts = extract(adapter, tokenizer, docs, ctx.out_dir, settings, part)
     layout: dict[str, Any] = {"layers": adapter.num_layers, "hidden": adapter.hidden_size}
     layout |= {"kv_heads": adapter.num_kv_heads, "hidden_dtype": settings.hidden_dtype}
