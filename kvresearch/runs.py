@@ -200,8 +200,9 @@ def sibling_runs(out_dir: Path, keep: tuple[str, ...], add: str, drop: tuple[str
 def run_with(out_dir: Path, add: str) -> Path:
     """The folder of the run named by all of this job's overrides plus ``add`` (a part of a sharded run)."""
     overrides, excluded = hydra_overrides()
-    kept = [line for line in overrides if line.split("=", 1)[0].lstrip("+~") not in excluded]
-    return Path(out_dir).parent / run_name(",".join(sorted([*kept, add])))
+    by_key = {line.split("=", 1)[0].lstrip("+~"): line for line in [*overrides, add]}  # the last wins, as in a sweep
+    kept = [line for key, line in by_key.items() if key not in excluded]
+    return Path(out_dir).parent / run_name(",".join(sorted(kept)))
 
 
 def _unless_set(value: Any, default: Any) -> Any:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 from kvresearch.errors import KVResearchError
-from kvresearch.runs import execute
+from kvresearch.runs import CONF_DIR, execute
 from kvresearch.sharding import part_range
 from kvresearch.stages.extract import run as extract_run
 from kvresearch.stages.extract import verify
@@ -98,3 +101,51 @@ def test_a_two_way_sharded_evaluation_merges_to_the_single_job_metrics(tmp_path:
     assert answers[0] == answers[1] and len(answers[0]) == 4
     with pytest.raises(KVResearchError, match=r"Cannot merge: 2 of 2 evaluate parts are not finished"):
         evaluate(tmp_path, "method=streaming_llm", "method.keep_ratio=0.5", "evaluate.num_shards=2", base=base)
+
+
+def stage(name: str, *args: str) -> str:
+    """Run a stage as a user does (``python -m``, Hydra's command line); its output on success."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"kvresearch.stages.{name}", *args],
+        cwd=CONF_DIR.parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_launchers_run_extract_train_and_evaluate_as_jobs(tmp_path: Path) -> None:
+    """submitit's local executor (the SLURM code path) and joblib run a small pipeline end to end."""
+    root = f"paths.root={tmp_path}"
+    corpus = [o for o in TINY if not o.startswith("extract.rows_per_shard")]
+    # Two extract parts as two submitit jobs, then the merge; training as a joblib sweep of two surrogates.
+    log = stage(
+        "extract", "-m", "hydra/launcher=local", *corpus, "extract.num_shards=2", "extract.shard_index=0,1", root
+    )
+    assert "Submitit 'local' sweep" in log
+    stage("extract", *corpus, "extract.num_shards=2", root)
+    merged = next(p.parent for p in (tmp_path / "extract").glob("*/DONE") if "shard_index" not in p.parent.name)
+    merged_metrics = json.loads((merged / "metrics.json").read_text())
+    assert merged_metrics["documents_done"] == 4
+    train = ["surrogate.epochs=1", "surrogate.batch_size=32", f"paths.extract={merged_metrics['run']['id']}", root]
+    log = stage(
+        "train_surrogate", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "surrogate=linear,mlp", *train
+    )
+    assert "Joblib.Parallel" in log
+    runs = {p.parent.name.split("surrogate=")[-1]: p.parent for p in (tmp_path / "train_surrogate").glob("*/DONE")}
+    assert set(runs) == {"linear", "mlp"}
+    # Evaluation as two submitit jobs (full cache, KVzap with the trained MLP); resubmitting skips both.
+    mlp = json.loads((runs["mlp"] / "metrics.json").read_text())["run"]["id"]  # names hold "=": ids
+    evaluate = ["-m", "hydra/launcher=local", *SMALL, f"paths.surrogate_mlp={mlp}", root]
+    stage("evaluate", *evaluate, "method=full,kvzap_mlp")
+    done = sorted((tmp_path / "evaluate").glob("*/DONE"))
+    assert len(done) == 2
+    metrics = [json.loads((p.parent / "metrics.json").read_text()) for p in done]
+    assert {m["method"]["name"] for m in metrics} == {"full", "kvzap_mlp"}
+    stamps = [p.stat().st_mtime_ns for p in done]
+    stage("evaluate", *evaluate, "method=full,kvzap_mlp")
+    assert [p.stat().st_mtime_ns for p in done] == stamps  # finished runs skipped on resubmission
