@@ -143,3 +143,15 @@ def test_a_half_written_manifest_and_a_corrupt_export_are_named(tmp_path: Path, 
     weights_file.write_bytes(weights_file.read_bytes()[:200])
     with pytest.raises(KVResearchError, match=rf"{weights_file} cannot be read .* Re-train it"):
         build(method_config("kvzap_mlp", paths={"surrogate_mlp": str(tmp_path / "s")}))
+
+
+def test_two_process_ddp_training_matches_one_process(extract: Path, tmp_path: Path) -> None:
+    """CPU DDP (gloo, two forked processes, each half of every batch) ends at the one-process weights."""
+    one = train(tmp_path / "one", extract)
+    two = train(
+        tmp_path / "two", extract, "+trainer.strategy=ddp_fork", "+trainer.devices=2", "trainer.accelerator=cpu"
+    )
+    for a, b in zip(weights(tmp_path / "one"), weights(tmp_path / "two"), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the tolerance docs/cluster.md states
+    assert two["test"]["r2_mean"] == pytest.approx(one["test"]["r2_mean"], abs=1e-4)
+    assert (one["processes"], two["processes"]) == (1, 2)

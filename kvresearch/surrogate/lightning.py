@@ -6,10 +6,15 @@ A killed run resumes from ``last.ckpt`` (written every ``every_n_steps`` optimiz
 every epoch) with the same weights, optimizer, schedule and data order, so it ends where an uninterrupted
 run ends: the data module's state (the order's generator and the batches trained on) goes into the
 checkpoint, and the training loader skips what was already trained on.
+
+Several processes (``trainer.strategy=ddp`` / ``ddp_spawn``, ``trainer.devices=N``): every process walks the
+same global order and takes its 1/N slice of each batch (:class:`RankSlices`), so the averaged gradient is
+the single process's (equal when N divides each batch) and resuming works as with one process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from kvresearch.surrogate.data import ExtractRun, Rows, ShuffledBatches, _as_is, loader
 from kvresearch.surrogate.modules import Surrogate
@@ -41,13 +46,14 @@ class SurrogateModule(L.LightningModule):
         """MSE of a batch."""
         h, y = batch
         loss = nn.functional.mse_loss(self.surrogate(h), y)
-        self.log("train/mse", loss, on_step=False, on_epoch=True, batch_size=len(h))
+        self.log("train/mse", loss, on_step=False, on_epoch=True, batch_size=len(h), sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
         """Log the validation MSE."""
         h, y = batch
-        self.log("val/mse", nn.functional.mse_loss(self.surrogate(h), y), on_epoch=True, batch_size=len(h))
+        mse = nn.functional.mse_loss(self.surrogate(h), y)
+        self.log("val/mse", mse, on_epoch=True, batch_size=len(h), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         """AdamW with a per-epoch cosine schedule."""
@@ -56,12 +62,28 @@ class SurrogateModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
 
 
+class RankSlices(Sampler[list[int]]):
+    """This process's share of each global batch: rows ``rank::world`` (all of it with one process)."""
+
+    def __init__(self, order: ShuffledBatches, rank: int, world: int):
+        """Slice ``order``'s batches for process ``rank`` of ``world``."""
+        self.order, self.rank, self.world = order, rank, world
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.order:
+            yield batch[self.rank :: self.world]
+
+
 class ResumableLoader(DataLoader):
     """The training loader; its state is its data module's (Lightning restores it on a mid-epoch restart)."""
 
-    def __init__(self, data: ShardDataModule):
-        """Batches of ``data``'s training rows in its resumable order."""
-        super().__init__(Rows(data.run, data.train_rows), batch_sampler=data.order, collate_fn=_as_is)
+    def __init__(self, data: ShardDataModule, rank: int = 0, world: int = 1):
+        """Batches (this process's slice of each) of ``data``'s training rows in its resumable order."""
+        batches = RankSlices(data.order, rank, world)
+        super().__init__(Rows(data.run, data.train_rows), batch_sampler=batches, collate_fn=_as_is)
         self.data = data
 
     def state_dict(self) -> dict[str, Any]:
@@ -86,8 +108,9 @@ class ShardDataModule(L.LightningDataModule):
         self.order = ShuffledBatches(len(self.train_rows), batch_size, seed)
 
     def train_dataloader(self) -> Any:
-        """Training batches in the resumable order."""
-        return ResumableLoader(self)
+        """Training batches in the resumable order (this process's slice of each)."""
+        trainer = self.trainer
+        return ResumableLoader(self, trainer.global_rank, trainer.world_size) if trainer else ResumableLoader(self)
 
     def val_dataloader(self) -> Any:
         """Validation batches in order."""

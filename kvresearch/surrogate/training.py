@@ -87,7 +87,7 @@ def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, t
         enable_checkpointing=False,
         enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
-        **dict(t.trainer),
+        **{"use_distributed_sampler": False, **dict(t.trainer)},  # processes slice the batches themselves
     )
     resumed_from = _checkpoint_to_resume(last)
     trainer.fit(module, datamodule=data, ckpt_path=str(last) if resumed_from is not None else None)
@@ -98,7 +98,8 @@ def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, t
         for truth, pred in [predict(surrogate, run, rows)]
         if len(rows)
     }
-    return {"train_mse": mse.get("train"), "val_mse": mse.get("val"), "resumed_from_step": resumed_from}
+    training = {"train_mse": mse.get("train"), "val_mse": mse.get("val"), "resumed_from_step": resumed_from}
+    return {**training, "processes": trainer.world_size}
 
 
 def plot_r2(r2_per_layer: list[float], title: str, path: Path) -> None:
