@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kvresearch.errors import KVResearchError
-from kvresearch.runs import CONF_DIR, execute
+from kvresearch.runs import CONF_DIR, execute, run_id
 from kvresearch.sharding import part_range
 from kvresearch.stages.extract import run as extract_run
 from kvresearch.stages.extract import verify
@@ -149,3 +150,23 @@ def test_launchers_run_extract_train_and_evaluate_as_jobs(tmp_path: Path) -> Non
     stamps = [p.stat().st_mtime_ns for p in done]
     stage("evaluate", *evaluate, "method=full,kvzap_mlp")
     assert [p.stat().st_mtime_ns for p in done] == stamps  # finished runs skipped on resubmission
+
+
+def test_the_pipeline_plan_waits_for_each_hand_off_and_names_the_runs_hydra_writes() -> None:
+    spec = importlib.util.spec_from_file_location("submit_pipeline", CONF_DIR.parent / "scripts" / "submit_pipeline.py")
+    assert spec is not None and spec.loader is not None
+    pipeline = sys.modules["submit_pipeline"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(pipeline)
+    jobs = {j.name: j for j in pipeline.plan(3, ["model=tiny_random"], {"extract": ["extract.max_docs=6"]})}
+    assert jobs["merge"].after == ["extract-0", "extract-1", "extract-2"]
+    assert jobs["train-mlp"].after == ["merge"] and jobs["evaluate-full"].after == ["train-linear", "train-mlp"]
+    assert jobs["evaluate-0"].after == ["evaluate-full"] and jobs["tables"].after[0] == "evaluate-full"
+    # The run ids handed on are those of the folders the stages write, as Hydra names them.
+    merge = jobs["merge"].command[3:]
+    cfg = compose_stage("extract", None, merge)
+    handed = next(a for a in jobs["train-mlp"].command if a.startswith("paths.extract="))
+    assert handed == f"paths.extract={run_id(Path(cfg.out_dir))}"
+    train = compose_stage("train_surrogate", None, jobs["train-mlp"].command[3:])
+    sweep = " ".join(jobs["evaluate-0"].command)
+    assert f"paths.surrogate_mlp={run_id(Path(train.out_dir))}" in sweep and "method=kvzap_mlp" in sweep
+    assert "paths.surrogate" not in " ".join(jobs["evaluate-full"].command)  # the reference run's name stays plain
