@@ -28,6 +28,7 @@ FLOORS = {
     "models": 1,
     "benchmarks": 1,
     "capture": 2,
+    "sharding": 2,
     "surrogate": 2,
     "methods": 3,
     "answering": 3,

@@ -16,15 +16,40 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import CONF_DIR, execute, run_id
 from kvresearch.sharding import part_range
+from kvresearch.stages.evaluate import run as evaluate_run
 from kvresearch.stages.extract import run as extract_run
 from kvresearch.stages.extract import verify
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage
-from tests.test_evaluate import SMALL, evaluate, lines
-from tests.test_extract import TINY
 
+TINY = [  # 4 short documents, 40 rows each
+    "model=tiny_random",
+    "corpus.min_tokens=60",
+    "corpus.max_tokens=120",
+    "corpus.n_train_per_source=1",
+    "corpus.n_test_per_source=1",
+    "extract.samples_per_doc=40",
+    "extract.max_docs=4",
+]
+SMALL = [  # 2 RULER samples at 1k tokens on the tiny model, 8 new tokens
+    "model=tiny_random",
+    "benchmark.lengths=[1024]",
+    "benchmark.samples_per_task=1",
+    "benchmark.tasks=[niah_single_1,fwe]",
+    "evaluate.max_samples=2",
+    "evaluate.max_new_tokens=8",
+]
 CHANGED = {"evaluate.max_samples": "4", "benchmark.samples_per_task": "2"}  # 4 samples, 2 per part
 SMALL_EVAL = [x for x in SMALL if x.split("=")[0] not in CHANGED] + [f"{k}={v}" for k, v in CHANGED.items()]
+
+
+def evaluate(root: Path, *overrides: str, base: tuple[str, ...]) -> dict:
+    """One evaluate run under ``root``, its folder named from the overrides as Hydra names it."""
+    return execute(compose_stage("evaluate", None, [*base, f"paths.root={root}", *overrides]), evaluate_run)
+
+
+def lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
 
 
 def single_full(root: Path) -> str:
@@ -122,7 +147,7 @@ def stage(name: str, *args: str) -> str:
 def test_launchers_run_extract_train_and_evaluate_as_jobs(tmp_path: Path) -> None:
     """submitit's local executor (the SLURM code path) and joblib run a small pipeline end to end."""
     root = f"paths.root={tmp_path}"
-    corpus = [o for o in TINY if not o.startswith("extract.rows_per_shard")]
+    corpus = TINY
     # Two extract parts as two submitit jobs, then the merge; training as a joblib sweep of two surrogates.
     log = stage(
         "extract", "-m", "hydra/launcher=local", *corpus, "extract.num_shards=2", "extract.shard_index=0,1", root
