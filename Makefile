@@ -108,6 +108,8 @@ sweep-am: $(STAMP) ## AM (self-study, budgets, on-policy), the hybrid, summariza
 	  $(PY) -m kvresearch.stages.evaluate -m $$b method=full && \
 	  $(PY) -m kvresearch.stages.evaluate -m $$b method=$(AM_METHODS) method.keep_ratio=$(AM_RATIOS) \
 	  || exit 1; done
+	$(PY) scripts/am_curves.py --benchmark quality --match "benchmark.max_documents=2,"
+	$(PY) scripts/am_curves.py --benchmark ruler --match "benchmark.tasks=[niah_single_2,niah_multikey_1]"
 
 # Compression while generating. CPU-sized: AIME_TOKENS=32000 AIME_PROBLEMS=30 and GEN_TOKENS=1024 GEN_PROMPTS=20
 # are the full settings (a GPU). GEN_BUDGETS: per-head cache sizes the presses and Attention Matching decode under;

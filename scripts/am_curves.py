@@ -1,6 +1,6 @@
 """Attention Matching against eviction: log-perplexity of the full-context answers against compression ratio.
 
-    .venv/bin/python scripts/am_curves.py --benchmark quality [--root outputs] [--out docs/results]
+    .venv/bin/python scripts/am_curves.py --benchmark quality [--match <settings>] [--root outputs] [--out docs/results]
 
 Reads the finished evaluate runs of ``--benchmark`` (one method x keep ratio each, all with the same
 other overrides as their full-cache run) and writes ``<out>/am_<benchmark>_table.md`` (per method and
@@ -27,10 +27,12 @@ EVICTION = {"kvzip_plus", "kvzap_mlp", "kvzap_linear", "snapkv", "streaming_llm"
 BASELINES = EVICTION | {"summarize", "full"}  # dashed in the plot; the claim compares AM with EVICTION only
 
 
-def runs(root: Path, benchmark: str) -> dict[str, list[dict]]:
-    """Per method name, one row per finished run: measured ratio, NLL (mean, interval), agreement."""
+def runs(root: Path, benchmark: str, match: str = "") -> dict[str, list[dict]]:
+    """Per method name, one row per finished run (folder name containing ``match``): ratio, NLL, agreement."""
     rows: dict[str, list[dict]] = defaultdict(list)
     for done in sorted(root.glob("evaluate/*/DONE")):
+        if match not in done.parent.name:
+            continue
         metrics = json.loads((done.parent / "metrics.json").read_text())
         if metrics["benchmark"]["name"] != benchmark:
             continue
@@ -86,8 +88,9 @@ def main() -> None:
     parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--claim-keep", type=float, default=0.1, help="claim check at keep ratios up to this")
+    parser.add_argument("--match", default="", help="only runs whose folder name contains this (one grid's settings)")
     args = parser.parse_args()
-    data = runs(Path(args.root), args.benchmark)
+    data = runs(Path(args.root), args.benchmark, args.match)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [
