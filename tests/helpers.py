@@ -41,6 +41,16 @@ FAMILIES = {
 }
 
 
+SMALL_RULER = [  # 2 RULER samples at 1k tokens on the tiny model, 8 new tokens: evaluate runs in seconds
+    "model=tiny_random",
+    "benchmark.lengths=[1024]",
+    "benchmark.samples_per_task=1",
+    "benchmark.tasks=[niah_single_1,fwe]",
+    "evaluate.max_samples=2",
+    "evaluate.max_new_tokens=8",
+]
+
+
 def compose_stage(name: str, out_dir: Path | None = None, overrides: list[str] | None = None) -> DictConfig:
     """A stage's primary config as a Hydra job gets it: HydraConfig set (run names, overrides, sibling runs),
     no ``hydra`` node, the run folder at ``out_dir`` when given."""

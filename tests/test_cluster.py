@@ -20,7 +20,7 @@ from kvresearch.stages.evaluate import run as evaluate_run
 from kvresearch.stages.extract import run as extract_run
 from kvresearch.stages.extract import verify
 from kvresearch.surrogate.data import ExtractRun
-from tests.helpers import compose_stage
+from tests.helpers import SMALL_RULER, compose_stage
 
 TINY = [  # 4 short documents, 40 rows each
     "model=tiny_random",
@@ -31,14 +31,7 @@ TINY = [  # 4 short documents, 40 rows each
     "extract.samples_per_doc=40",
     "extract.max_docs=4",
 ]
-SMALL = [  # 2 RULER samples at 1k tokens on the tiny model, 8 new tokens
-    "model=tiny_random",
-    "benchmark.lengths=[1024]",
-    "benchmark.samples_per_task=1",
-    "benchmark.tasks=[niah_single_1,fwe]",
-    "evaluate.max_samples=2",
-    "evaluate.max_new_tokens=8",
-]
+SMALL = SMALL_RULER
 CHANGED = {"evaluate.max_samples": "4", "benchmark.samples_per_task": "2"}  # 4 samples, 2 per part
 SMALL_EVAL = [x for x in SMALL if x.split("=")[0] not in CHANGED] + [f"{k}={v}" for k, v in CHANGED.items()]
 

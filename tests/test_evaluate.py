@@ -13,16 +13,9 @@ from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
 from kvresearch.runs import CONF_DIR, execute
 from kvresearch.stages.evaluate import run
-from tests.helpers import compose_stage, surrogate_run
+from tests.helpers import SMALL_RULER, compose_stage, surrogate_run
 
-SMALL = [
-    "model=tiny_random",
-    "benchmark.lengths=[1024]",
-    "benchmark.samples_per_task=1",
-    "benchmark.tasks=[niah_single_1,fwe]",
-    "evaluate.max_samples=2",
-    "evaluate.max_new_tokens=8",
-]
+SMALL = SMALL_RULER
 
 
 def evaluate(root: Path, *overrides: str, base: tuple[str, ...] = tuple(SMALL)) -> dict:
