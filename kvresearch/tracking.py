@@ -7,7 +7,7 @@ finished in ``finally``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,12 @@ class Tracker:
 
     def summary(self, metrics: Mapping[str, Any]) -> None:
         """Final numbers of the run."""
+
+    def table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """A table (predictions, a results summary)."""
+
+    def image(self, name: str, path: Path) -> None:
+        """A figure from an image file."""
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the run."""
@@ -64,6 +70,19 @@ class WandbTracker(Tracker):
     def summary(self, metrics: Mapping[str, Any]) -> None:
         """Set the run's summary."""
         self.run.summary.update(_scalars(metrics))
+
+    def table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Log a W&B Table (cells that are not numbers or strings become strings)."""
+        import wandb
+
+        plain = [[c if isinstance(c, (int, float, str, bool)) or c is None else str(c) for c in r] for r in rows]
+        self.run.log({name: wandb.Table(columns=list(columns), data=plain)})
+
+    def image(self, name: str, path: Path) -> None:
+        """Log an image file as a W&B Image."""
+        import wandb
+
+        self.run.log({name: wandb.Image(str(path))})
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the run and wait until its records are on disk.

@@ -9,9 +9,12 @@ Jobs, each a stage run with its own run folder (``outputs/<stage>/<overrides>``,
 1. ``extract`` parts: ``extract.num_shards=N extract.shard_index=k``, one job each (an array);
 2. the merge: ``extract.num_shards=N`` (after every part);
 3. ``train_surrogate`` linear and MLP on the merged run (after the merge);
-4. ``evaluate``: the full cache, then the methods of ``make sweep-ruler`` (after training; the methods after
-   the full cache, whose answers they reuse); ``--evaluate-args`` replaces the RULER subset;
-5. the tables (``scripts/make_tables.py``, after every evaluation).
+4. ``evaluate``: the cells of ``--experiment`` (default ``kvzap_ruler``, its ``--variant``, the first model's
+   cells: the surrogates are trained for one model) as ``make reproduce`` runs them: the full cache first,
+   then one job per method and budget (they reuse its answers); overrides given after ``--`` replace the
+   cells' own (``model=...``), ``--evaluate-args`` are added to every cell;
+5. the tables of every evaluate run (``scripts/make_tables.py``, after every evaluation; the KVzap runs' names
+   hold the surrogates' run ids, so they are not the experiment's cells that ``make table-<name>`` reads).
 
 Hand-offs are run ids computed before submission (``kvresearch.runs.run_id`` of the folder each stage
 will write), so no job looks for another's output by any other route. On SLURM every job is submitted
@@ -27,21 +30,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvresearch import experiments
 from kvresearch.runs import outputs_root, repo_root, run_id, run_name
 
 STAGES = ("extract", "train_surrogate", "evaluate")
-KVZAP_THRESHOLDS = "-4.5,-3.5,-2.5"  # the Makefile's
-RULER = [
-    "benchmark.lengths=[2048]",
-    "benchmark.samples_per_task=4",
-    "evaluate.max_new_tokens=48",
-    "benchmark.tasks=[niah_single_1,niah_single_2,niah_multikey_1,niah_multivalue]",
-]
-SWEEP = [  # make sweep-ruler, after method=full
-    ["method=kvzap_mlp,kvzap_linear", f"method.threshold={KVZAP_THRESHOLDS}"],
-    ["method=kvzip_plus", "method.keep_ratio=0.33"],
-    ["method=snapkv,streaming_llm", "method.keep_ratio=0.5,0.33"],
-]
 
 
 @dataclass
@@ -58,12 +50,19 @@ def folder_id(stage: str, overrides: list[str]) -> str:
     return run_id(Path(stage) / run_name(",".join(sorted(overrides))))
 
 
+def merged(*groups: list[str]) -> list[str]:
+    """Overrides with one value per key: a later group's wins (``model=`` given on the command line)."""
+    return list({line.split("=", 1)[0].lstrip("+~"): line for group in groups for line in group}.values())
+
+
 def plan(
     shards: int,
     extra: list[str],
     per_stage: dict[str, list[str]] | None = None,
     tables: str = "docs/results",
     python: str = sys.executable,
+    experiment: str = "kvzap_ruler",
+    variant: str = "twin",
 ) -> list[Job]:
     """The jobs in submission order; ``extra`` goes to the stages that load the model, ``per_stage`` to one."""
     own = per_stage or {}
@@ -77,12 +76,19 @@ def plan(
         train = [*own.get("train_surrogate", []), extract, f"surrogate={kind}"]  # no model: it reads the extract
         jobs.append(Job(f"train-{kind}", stage("train_surrogate", *train), ["merge"]))
         surrogates[kind] = f"paths.surrogate_{kind}={folder_id('train_surrogate', train)}"
-    evaluate = [*extra, *(own.get("evaluate") or RULER)]
-    jobs.append(Job("evaluate-full", stage("evaluate", *evaluate, "method=full"), ["train-linear", "train-mlp"]))
-    for i, sweep in enumerate(SWEEP):
-        handoff = list(surrogates.values()) if "kvzap" in sweep[0] else []  # only KVzap reads the surrogates
-        jobs.append(Job(f"evaluate-{i}", stage("evaluate", "-m", *evaluate, *handoff, *sweep), ["evaluate-full"]))
+    cells = experiments.cells(experiments.load(experiment), variant)
+    cells = [c for c in cells if c.model == cells[0].model and c.stage == "evaluate"]
+    others = iter(range(len(cells)))
+    for cell in cells:
+        kvzap = any(o.startswith("method=kvzap") for o in cell.overrides)
+        handoff = list(surrogates.values()) if kvzap else []  # only KVzap reads the surrogates
+        args = merged(list(cell.overrides), extra, own.get("evaluate", []))
+        if cell.reference:
+            jobs.append(Job("evaluate-full", stage("evaluate", *args), ["train-linear", "train-mlp"]))
+        else:
+            jobs.append(Job(f"evaluate-{next(others)}", stage("evaluate", *args, *handoff), ["evaluate-full"]))
     last = [j.name for j in jobs if j.name.startswith("evaluate")]
+    # The KVzap runs' names hold the surrogates' run ids, so the per-benchmark tables (every evaluate run) are built.
     jobs.append(Job("tables", [python, str(repo_root() / "scripts" / "make_tables.py"), "--out", tables], last))
     return jobs
 
@@ -120,6 +126,8 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=8, help="CPUs per job")
     parser.add_argument("--timeout-min", type=int, default=240)
     parser.add_argument("--root", default=str(outputs_root()), help="where submitit keeps job scripts and logs")
+    parser.add_argument("--experiment", default="kvzap_ruler", help="the evaluate cells: conf/experiment/<name>.yaml")
+    parser.add_argument("--variant", default="twin", choices=["twin", "hub"])
     parser.add_argument("--tables-out", default="docs/results", help="where the tables job writes")
     parser.add_argument("--dry-run", action="store_true", help="print the jobs, submit nothing")
     for name in STAGES:
@@ -127,7 +135,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for extract and evaluate (after --)")
     args = parser.parse_args()
     per_stage = {name: shlex.split(getattr(args, f"{name}_args")) for name in STAGES}
-    jobs = plan(args.shards, args.overrides, per_stage, args.tables_out)
+    jobs = plan(
+        args.shards, args.overrides, per_stage, args.tables_out, experiment=args.experiment, variant=args.variant
+    )
     if args.dry_run:
         for job in jobs:
             print(f"{job.name} (after {', '.join(job.after) or 'nothing'}): {' '.join(job.command)}")

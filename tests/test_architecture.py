@@ -29,6 +29,7 @@ FLOORS = {
     "benchmarks": 1,
     "capture": 2,
     "sharding": 2,
+    "experiments": 2,
     "surrogate": 2,
     "methods": 3,
     "answering": 3,

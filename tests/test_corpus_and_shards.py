@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from kvresearch.data.corpus import nemotron_sample, offline_english, select, split_of
-from kvresearch.data.shards import ShardWriter, check_shard, finished_shards, hidden_from_numpy, open_shard
+from kvresearch.data.shards import (
+    ShardWriter,
+    check_shard,
+    finished_shards,
+    hidden_from_numpy,
+    hidden_to_numpy,
+    open_shard,
+)
 from kvresearch.errors import KVResearchError
 
 
@@ -103,6 +110,14 @@ def test_shards_round_trip_and_hold_whole_documents(tmp_path: Path) -> None:
     assert shard.doc.tolist() == [2] * 5 + [3] * 5 and shard.pos[:5].tolist() == [0, 3, 6, 9, 12]
     h = hidden_from_numpy(shard.hidden[:2], "bfloat16")
     assert h.dtype == torch.bfloat16 and torch.isfinite(h.float()).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_stored_hidden_states_come_back_rounded_to_their_dtype_only(dtype: str) -> None:
+    h = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0))
+    back = hidden_from_numpy(hidden_to_numpy(h, dtype), dtype)
+    assert back.dtype == getattr(torch, dtype) and torch.equal(back.float(), h.to(back.dtype).float())
+    assert torch.equal(back.float(), h) == (dtype == "float32")  # fp32 keeps every bit
 
 
 def test_damaged_shards_are_detected(tmp_path: Path) -> None:

@@ -79,6 +79,30 @@ def test_wandb_offline_run_folder_holds_logged_metrics(tmp_path: Path, monkeypat
         assert token in records, token
 
 
+def test_wandb_tables_and_images_land_in_the_offline_run_with_its_group(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvresearch.tracking import tracker
+
+    figure = tmp_path / "curve.png"
+    plt.plot([0, 1], [1, 0])
+    plt.savefig(figure)
+    cfg = {"kind": "wandb", "mode": "offline", "project": "kvr-test", "group": "exp_group_xyz"}
+    with tracker(cfg, {"experiment": "x"}, tmp_path, "table-run", "table") as t:
+        t.table("summary", ["method", "score_col_xyz"], [["snapkv_row_xyz", 41.5], ["full", None]])
+        t.image("figure", figure)
+    run = next((tmp_path / "wandb").glob("offline-run-*"))
+    records = next(run.glob("run-*.wandb")).read_bytes()
+    for token in (b"exp_group_xyz", b"summary", b"figure"):
+        assert token in records, token
+    tables = [p.read_text() for p in run.rglob("*.table.json")]
+    assert len(tables) == 1 and "snapkv_row_xyz" in tables[0] and "score_col_xyz" in tables[0]
+    assert [p.suffix for p in run.rglob("media/images/*")] == [".png"]
+
+
 def _stage_cli(args: list[str], env_extra: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
     return subprocess.run(

@@ -31,3 +31,19 @@ def test_degenerate_inputs_and_paired_differences() -> None:
     assert bootstrap_mean([0.1, 0.2]).scaled(100).mean == pytest.approx(15.0)
     with pytest.raises(ValueError, match="differ in length"):
         paired_difference([1, 2], [1])
+
+
+def test_bootstrap_interval_of_a_known_sample_matches_the_exact_bootstrap_distribution() -> None:
+    """n=5: all 5^5 equally likely resamples enumerated give the exact percentile interval of the bootstrap."""
+    import itertools
+
+    x = np.array([0.0, 1.0, 1.0, 3.0, 7.0])
+    means = np.array([np.mean(x[list(idx)]) for idx in itertools.product(range(5), repeat=5)]).round(9)
+    values, counts = np.unique(means, return_counts=True)
+    cdf = np.cumsum(counts) / len(means)  # P(mean <= value) at each distinct value
+    exact_low, exact_high = values[np.searchsorted(cdf, 0.025)], values[np.searchsorted(cdf, 0.975)]
+    for q in (0.025, 0.975):  # neither quantile sits on a jump of the distribution: the estimate is stable
+        assert np.min(np.abs(cdf - q)) > 0.002
+    ci = bootstrap_mean(x, resamples=200_000, seed=7)
+    assert ci.mean == pytest.approx(2.4)
+    assert ci.low == pytest.approx(exact_low) and ci.high == pytest.approx(exact_high)

@@ -105,3 +105,28 @@ def load_samples(cfg: Mapping[str, Any], tokenizer: Any) -> list[Sample]:
     if not samples:
         raise KVResearchError(f"benchmark '{cfg['name']}' ({source}) produced no samples: check its tasks and lengths.")
     return samples
+
+
+def calibration_samples(cfg: Mapping[str, Any], tokenizer: Any, evaluated: list[Sample], count: int) -> list[Sample]:
+    """``count`` samples held out from ``evaluated``, spread evenly over the benchmark's tasks, for calibration.
+
+    A generated benchmark with a ``seed`` is generated again with the next seed (new contexts, same
+    tasks); otherwise the samples are those of the benchmark (its per-task and document caps lifted) that
+    ``evaluated`` leaves out, none sharing a context with an evaluated one.
+    """
+    if count < 1:
+        raise KVResearchError(f"evaluate.calibration_samples must be at least 1, got {count}.")
+    if cfg.get("source") == "generate" and cfg.get("seed") is not None:
+        pool = load_samples({**cfg, "seed": int(cfg["seed"]) + 1}, tokenizer)
+    else:  # the caps lifted: the rows past them are the held-out ones
+        uncapped = {**cfg, **{k: None for k in ("samples_per_task", "max_documents") if k in cfg}}
+        contexts = {s.context for s in evaluated}
+        pool = [s for s in load_samples(uncapped, tokenizer) if s.context not in contexts]
+    if not pool:
+        raise KVResearchError(
+            f"benchmark '{cfg['name']}': every sample is evaluated, none is left to calibrate the threshold on. "
+            "Lower evaluate.max_samples (or benchmark.max_documents), or set method.threshold instead of "
+            "method.calibrate_to."
+        )
+    step = max(len(pool) / count, 1.0)
+    return [pool[int(i * step)] for i in range(min(count, len(pool)))]

@@ -33,7 +33,7 @@ import torch
 
 from kvresearch.errors import KVResearchError
 
-HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FILES = ("hidden.npy", "scores.npy", "doc.npy", "pos.npy")
 
 

@@ -16,6 +16,7 @@ share per head, layer or globally (``scope``), the window protected, for compari
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -29,7 +30,8 @@ from kvresearch.methods.base import Method, cache_from_scores
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.cache import RaggedCache, RaggedLayer
 from kvresearch.models.hooks import after_attention, attention_inputs
-from kvresearch.models.session import Session
+from kvresearch.models.session import Prefill, Session
+from kvresearch.ops.calibration import Calibration, calibrate_threshold
 from kvresearch.ops.selection import SCOPES
 from kvresearch.prompts import Prompt
 from kvresearch.surrogate.modules import Surrogate
@@ -118,7 +120,9 @@ class KVzap(Method):
     decoding: bool = False  # keep pruning while generating (threshold mode)
     max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
     chunk_size: int | None = None  # prefill chunk; bounds peak memory by chunk + kept cache
+    calibrate_to: float | None = None  # target prune ratio: the threshold is calibrated on held-out contexts
     _scoring_s: float = field(default=0.0, init=False, repr=False)
+    _calibration: Calibration | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         """Exactly one budget; a known scope; a non-negative window."""
@@ -133,6 +137,11 @@ class KVzap(Method):
                 f"method {self.name}: decoding=true and max_entries prune by threshold; set method.threshold "
                 "and method.keep_ratio=null."
             )
+        if self.calibrate_to is not None and (self.threshold is None or not 0 <= self.calibrate_to < 1):
+            raise KVResearchError(
+                f"method {self.name}: calibrate_to={self.calibrate_to} sets the threshold from a target prune ratio "
+                "in [0, 1); keep method.keep_ratio=null (the threshold mode)."
+            )
         if self.max_entries is not None and self.max_entries <= self.window:
             raise KVResearchError(
                 f"method {self.name}: max_entries={self.max_entries} must exceed the window ({self.window}), "
@@ -140,8 +149,40 @@ class KVzap(Method):
             )
 
     def budget(self) -> str:
-        """``tau=<threshold>`` in threshold mode, else the keep ratio."""
+        """``tau=<threshold>`` in threshold mode (with its calibration target), else the keep ratio."""
+        if self.calibrate_to is not None:
+            return f"prune {self.calibrate_to:g} (tau={self.threshold:.3f}, calibrated)"
         return f"tau={self.threshold:g}" if self.threshold is not None else super().budget()
+
+    def scores(self, session: Session, context_ids: torch.Tensor) -> tuple[Prefill, list[torch.Tensor]]:
+        """A dense prefill of the context and the surrogate's scores per layer, each (Hkv, T)."""
+        prefill = session.dense_prefill(context_ids, record_inputs=True)
+        start = time.perf_counter()
+        with torch.no_grad():
+            scores = [
+                self.surrogate.forward_layer(i, prefill.inputs[i][0]).T.float() for i in range(prefill.num_layers)
+            ]
+        self._scoring_s = time.perf_counter() - start
+        return prefill, scores
+
+    def calibrate(self, session: Session, prompts: list[Prompt]) -> Calibration:
+        """Set the threshold to the one that prunes ``calibrate_to`` of ``prompts``' contexts on average.
+
+        In one prefill call every token is scored from the same hidden states as in a dense prefill, so the
+        scores here are the ones the threshold will meet (a chunked prefill sees a pruned cache and may differ).
+        """
+        self._check_fits(session)
+        if self.calibrate_to is None:
+            raise KVResearchError(f"method {self.name}: calibrate() needs method.calibrate_to.")
+        eligible, entries = [], []
+        for prompt in prompts:
+            _, scores = self.scores(session, prompt.context_ids)
+            tokens = scores[0].shape[1]
+            eligible.append(torch.cat([s[:, : max(tokens - self.window, 0)].reshape(-1) for s in scores]))
+            entries.append(sum(s.numel() for s in scores))
+        self._calibration = calibrate_threshold(eligible, entries, float(self.calibrate_to))
+        self.threshold = self._calibration.threshold
+        return self._calibration
 
     def pruner(self) -> ThresholdPruner:
         """The threshold rule with this method's settings."""
@@ -166,13 +207,7 @@ class KVzap(Method):
                 session.ragged_prefill(prompt.context_ids, cache, self.chunk_size)
             self._scoring_s = timer.seconds
             return cache
-        prefill = session.dense_prefill(prompt.context_ids, record_inputs=True)
-        start = time.perf_counter()
-        with torch.no_grad():
-            scores = [
-                self.surrogate.forward_layer(i, prefill.inputs[i][0]).T.float() for i in range(prefill.num_layers)
-            ]
-        self._scoring_s = time.perf_counter() - start
+        prefill, scores = self.scores(session, prompt.context_ids)
         return cache_from_scores(prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
@@ -182,3 +217,10 @@ class KVzap(Method):
     def report(self) -> dict[str, Any]:
         """Seconds spent in the surrogate during the last compression."""
         return {"scoring_s": self._scoring_s}
+
+    def describe(self) -> dict[str, Any]:
+        """The base description, with the calibration (threshold, ratio reached, contexts) once done."""
+        out = super().describe()
+        if self._calibration is not None:
+            out["calibration"] = dataclasses.asdict(self._calibration)
+        return out

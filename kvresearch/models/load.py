@@ -59,7 +59,13 @@ def _device(name: str) -> str:
 
 def _embedded(cfg: Mapping[str, Any]) -> str:
     return str(
-        embedded.embedded_folder(cfg["name"], cfg["package"], cfg["gguf_file"], dict(cfg.get("chat_tokens") or {}))
+        embedded.embedded_folder(
+            cfg["name"],
+            cfg["package"],
+            cfg["gguf_file"],
+            dict(cfg.get("chat_tokens") or {}),
+            bool(cfg.get("assembled")),
+        )
     )
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings
-from kvresearch.benchmarks.loader import load_samples
-from kvresearch.evaluation import evaluate, find_reference, merge_predictions, reference_answers, summarize
+from kvresearch.benchmarks.loader import calibration_samples, load_samples
+from kvresearch.evaluation import calibrate, evaluate, find_reference, merge_predictions, reference_answers, summarize
 from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.runs import RunContext, build, stage_main
 from kvresearch.sharding import merging, part_range, part_runs
@@ -43,6 +43,10 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     loaded = load_model(cfg.model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     samples = load_samples(cfg.benchmark, loaded.tokenizer)[: cfg.evaluate.max_samples or None]
+    calibration = None
+    if cfg.method.get("calibrate_to") is not None:
+        held_out = calibration_samples(cfg.benchmark, loaded.tokenizer, samples, int(cfg.evaluate.calibration_samples))
+        calibration = calibrate(session, method, held_out, settings)
     samples = [samples[i] for i in part_range(len(samples), shards, int(index or 0), "evaluate")]
     records = evaluate(session, method, samples, ctx.out_dir, settings, reference, ctx.tracker)
     summary = summarize(records)
@@ -51,6 +55,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         "method": method.describe(),
         "evaluate": evaluate_cfg,
         "reference_run": str(folder or ""),
+        "calibration": calibration,
         **summary,
     }
 

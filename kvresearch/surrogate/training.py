@@ -121,7 +121,9 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
     """Fit a surrogate, export it (ours and kvpress's) and score it on the test documents; the run's metrics."""
     recipe, seed, layout = t.recipe, t.seed, data.layout
     kind, fit = str(recipe["kind"]), str(recipe["fit"])
-    config = SurrogateConfig(kind, layout["layers"], layout["hidden"], layout["kv_heads"], model=data.model)
+    width = recipe.get("mlp_hidden")  # the MLP's hidden width (None: hidden / 8, the reference)
+    config = SurrogateConfig(kind, layout["layers"], layout["hidden"], layout["kv_heads"],
+                             mlp_hidden=None if width is None else int(width), model=data.model)  # fmt: skip
     torch.manual_seed(seed)
     surrogate = Surrogate(config)
     documents = data.split_documents(float(recipe["val_fraction"]), seed)

@@ -1,0 +1,213 @@
+"""Experiments: one config per table or figure of the papers (``conf/experiment/<name>.yaml``), as run folders.
+
+An experiment has variants: ``hub`` (the paper's models and grid, for a GPU cluster) and ``twin`` (the same
+shape on the embedded model and offline data, sized for 2 CPU cores). A variant lists models, overrides
+shared by every run, and rows (a method with its own overrides, swept over budget points). Every
+(model, row, point) is a :class:`Cell` whose run folder is named exactly as Hydra names it from the
+cell's overrides, so a table is rebuilt from run folders alone: a finished cell gives its numbers, any
+other prints "not run". ``scripts/experiment.py`` runs the missing cells and writes the tables.
+
+Statistics per cell (``kind: curve``): answers, the measured prune ratio, the mean of ``metric`` with a
+bootstrap 95% interval, and the paired difference against the full-cache cell of the same model (the
+same answers in both) with its interval. ``kind: fit`` reads train_surrogate runs (held-out R^2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvresearch.errors import KVResearchError
+from kvresearch.runs import CONF_DIR, is_done, run_name
+from kvresearch.stats import Interval, bootstrap_mean, paired_difference
+
+EXPERIMENTS = CONF_DIR / "experiment"
+NOT_RUN = "not run"
+KINDS = ("curve", "fit")
+
+
+def names() -> list[str]:
+    """Every experiment config's name."""
+    return sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
+
+
+def load(name: str) -> DictConfig:
+    """``conf/experiment/<name>.yaml`` (or a YAML file's path), checked: a known kind, ``twin`` and ``hub`` rows."""
+    path = Path(name) if name.endswith(".yaml") else EXPERIMENTS / f"{name}.yaml"
+    if not path.is_file():
+        raise KVResearchError(f"No experiment '{name}' in {EXPERIMENTS}: choose one of {', '.join(names())}.")
+    exp = OmegaConf.load(path)
+    assert isinstance(exp, DictConfig)
+    if exp.get("kind", "curve") not in KINDS:
+        raise KVResearchError(f"experiment {name}: kind must be one of {KINDS}, got {exp.get('kind')!r}.")
+    for variant in ("hub", "twin"):
+        if not (exp.get("variants") or {}).get(variant, {}).get("rows"):
+            raise KVResearchError(f"experiment {name}: variants.{variant}.rows is missing or empty.")
+    return exp
+
+
+def excluded_keys() -> list[str]:
+    """The override keys Hydra leaves out of run names (``conf/common.yaml``)."""
+    common = OmegaConf.load(CONF_DIR / "common.yaml")
+    return list(common.hydra.job.config.override_dirname.exclude_keys)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of an experiment: a model, a row (method) and a budget point."""
+
+    stage: str
+    model: str
+    row: str  # the row's label (its method unless it names one)
+    point: str  # the budget point, e.g. "calibrate_to=0.5" ("" for none)
+    overrides: tuple[str, ...]
+    reference: bool = False  # the full-cache row every other row is paired with
+
+    def folder(self, root: Path) -> Path:
+        """The run folder Hydra gives these overrides (``conf/common.yaml``: sorted, excluded keys left out)."""
+        excluded = set(excluded_keys())
+        kept = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") not in excluded]
+        return Path(root) / self.stage / run_name(",".join(sorted(kept)))
+
+
+def cells(exp: DictConfig, variant: str) -> list[Cell]:
+    """Every cell of a variant, model by model, rows in their order (each model's full-cache row first)."""
+    if variant not in exp.variants:
+        raise KVResearchError(f"experiment variants are {sorted(exp.variants)}, not '{variant}'.")
+    spec = exp.variants[variant]
+    out: list[Cell] = []
+    for entry in spec.models:  # a model config name, or {name, overrides} (train_surrogate takes no model=)
+        model, chosen = (entry, [f"model={entry}"]) if isinstance(entry, str) else (entry.name, entry.overrides)
+        mine: list[Cell] = []
+        for row in spec.rows:
+            sweep = dict(row.get("sweep") or {})
+            base = [*chosen, *spec.get("shared", []), *([f"method={row.method}"] if row.get("method") else [])]
+            base += list(row.get("overrides") or [])
+            for values in itertools.product(*sweep.values()):
+                point = [f"{k}={v}" for k, v in zip(sweep, values, strict=True)]
+                label = ", ".join(f"{str(k).rsplit('.', 1)[-1]}={v}" for k, v in zip(sweep, values, strict=True))
+                overrides = tuple(str(o) for o in [*base, *point])
+                cell = Cell(str(exp.get("stage", "evaluate")), str(model), str(row.get("label") or row.method),
+                            label, overrides, bool(row.get("reference", False)))  # fmt: skip
+                mine.append(cell)
+        out += sorted(mine, key=lambda c: not c.reference)
+    return out
+
+
+@dataclass
+class Result:
+    """What a finished cell's run folder gives."""
+
+    metrics: dict[str, Any]
+    values: dict[str, float] = field(default_factory=dict)  # per answer id: the metric
+
+    @property
+    def prune_ratio(self) -> float:
+        """The measured prune ratio (mean over answers)."""
+        return float(self.metrics.get("overall", {}).get("prune_ratio") or 0.0)
+
+
+def read(cell: Cell, root: Path, metric: str) -> Result | None:
+    """The finished run of ``cell``, or None (no folder, no DONE)."""
+    folder = cell.folder(root)
+    if not is_done(folder):
+        return None
+    metrics = json.loads((folder / "metrics.json").read_text())
+    values = {}
+    predictions = folder / "predictions.jsonl"
+    if predictions.is_file():
+        for line in predictions.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if record.get(metric) is not None:
+                values[str(record["id"])] = float(record[metric])
+    return Result(metrics, values)
+
+
+def paired(result: Result, reference: Result | None) -> Interval | None:
+    """``result``'s metric minus the reference's over the answers both have, with its bootstrap interval."""
+    if reference is None:
+        return None
+    ids = sorted(set(result.values) & set(reference.values))
+    return paired_difference([result.values[i] for i in ids], [reference.values[i] for i in ids]) if ids else None
+
+
+def _interval(i: Interval | None, scale: float, signed: bool = False) -> str:
+    if i is None or i.n == 0:
+        return ""
+    fmt = "+.1f" if signed else ".1f"
+    bounds = "" if i.n < 2 else f" [{i.low * scale:{fmt}}, {i.high * scale:{fmt}}]"
+    return f"{i.mean * scale:{fmt}}{bounds}"
+
+
+def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics)."""
+    metric, scale = str(exp.get("metric", "score")), float(exp.get("scale", 100))
+    header = ["model", "method", "budget", "answers", "prune ratio", f"{metric} [95% CI]", "vs full [95% CI]"]
+    rows, points = [], []
+    references: dict[str, Result | None] = {}
+    for cell in cells(exp, variant):
+        result = read(cell, root, metric)
+        if cell.reference:
+            references[cell.model] = result
+        if result is None:
+            rows.append([cell.model, cell.row, cell.point, NOT_RUN, NOT_RUN, NOT_RUN, NOT_RUN])
+            continue
+        mean = bootstrap_mean(list(result.values.values()))
+        diff = None if cell.reference else paired(result, references.get(cell.model))
+        calibration = (result.metrics.get("calibration") or {}).get("threshold")
+        budget = cell.point + (f" (tau={calibration:.2f})" if calibration is not None else "")
+        versus = "" if cell.reference else _interval(diff, scale, True) or "no full run"
+        rows.append(
+            [cell.model, cell.row, budget, str(mean.n), f"{result.prune_ratio:.3f}", _interval(mean, scale), versus]
+        )
+        points.append({"model": cell.model, "row": cell.row, "x": result.prune_ratio, "mean": mean.scaled(scale)})
+    return header, rows, points
+
+
+def fit_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """Header, table rows and per-layer points of a ``fit`` experiment (train_surrogate runs)."""
+    header = ["model", "surrogate", "setting", "test rows", "R^2 pooled per layer", "R^2 per head", "Spearman"]
+    rows, points = [], []
+    for cell in cells(exp, variant):
+        result = read(cell, root, "")
+        if result is None:
+            rows.append([cell.model, cell.row, cell.point, NOT_RUN, NOT_RUN, NOT_RUN, NOT_RUN])
+            continue
+        t = result.metrics["test"]
+        rows.append([cell.model, cell.row, cell.point, str(t["rows"]), f"{t['r2_pooled']:.3f}",
+                     f"{t['r2_mean']:.3f}", f"{t['spearman_mean']:.3f}"])  # fmt: skip
+        points.append({"model": cell.model, "row": f"{cell.row} {cell.point}".strip(), "layers": t["r2_per_layer"]})
+    return header, rows, points
+
+
+def table(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """The experiment's table for its kind."""
+    return (fit_rows if exp.get("kind", "curve") == "fit" else curve_rows)(exp, variant, root)
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)]) + "\n"
+
+
+def latex(header: list[str], rows: list[list[str]], caption: str) -> str:
+    """A LaTeX tabular in a table environment (booktabs rules)."""
+    esc = lambda s: s.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("%", "\\%").replace("&", "\\&")
+    body = [" & ".join(esc(c) for c in r) + " \\\\" for r in rows]
+    return "\n".join([
+        "\\begin{table}[t]", "\\centering", "\\small", "\\begin{tabular}{" + "l" * len(header) + "}", "\\toprule",
+        " & ".join(esc(h) for h in header) + " \\\\", "\\midrule", *body, "\\bottomrule", "\\end{tabular}",
+        f"\\caption{{{esc(caption)}}}", "\\end{table}",
+    ]) + "\n"  # fmt: skip
+
+
+def summary_line(rows: list[list[str]]) -> str:
+    """How many cells are finished."""
+    done = sum(r[3] != NOT_RUN for r in rows)
+    return f"{done} of {len(rows)} cells finished"

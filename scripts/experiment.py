@@ -1,0 +1,147 @@
+"""Run an experiment's missing cells, or rebuild its table and figure from the run folders (conf/experiment/).
+
+    .venv/bin/python scripts/experiment.py list
+    .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--print] [--launcher slurm] [-- ARGS]
+    .venv/bin/python scripts/experiment.py table kvzap_ruler [--variant twin] [--out docs/results/experiments] [--wandb]
+
+``run`` starts one stage job per cell that is not finished (the full-cache row first: the others take their
+full-cache answers from it), each logged to W&B (offline by default; ``--no-wandb`` to skip) in the group
+``<experiment>`` with the variant as a tag; ``--print`` only prints the commands (to hand to any scheduler);
+``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/). Extra
+arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
+cell without a finished run prints "not run") and ``.png`` / ``.pdf`` (the curve: metric against the
+measured prune ratio with 95% intervals; the fit: held-out R^2 per layer) and one W&B run in the
+experiment's group holding the table (a W&B Table) and the figure (``--no-wandb`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvresearch import experiments
+from kvresearch.errors import KVResearchError
+from kvresearch.runs import is_done, outputs_root, repo_root, write_atomic
+
+
+def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace) -> list[str]:
+    """The stage command of one cell."""
+    cmd = [sys.executable, "-m", f"kvresearch.stages.{cell.stage}", *cell.overrides]
+    cmd += ["logger=wandb", f"logger.group={exp_name}", f"logger.tags=[{args.variant}]"] if args.wandb else []
+    cmd += ["-m", f"hydra/launcher={args.launcher}"] if args.launcher else []
+    return cmd + list(args.extra)
+
+
+def run(args: argparse.Namespace) -> None:
+    exp = experiments.load(args.name)
+    root = outputs_root()
+    todo = [c for c in experiments.cells(exp, args.variant) if not is_done(c.folder(root))]
+    print(f"{args.name} ({args.variant}): {len(todo)} cells to run", flush=True)
+    failed = []
+    for i, cell in enumerate(todo, 1):
+        cmd = command(cell, Path(args.name).stem, args)
+        print(f"[{i}/{len(todo)}] {shlex.join(cmd[1:])}", flush=True)
+        if not args.print and subprocess.run(cmd, cwd=repo_root()).returncode != 0:
+            failed.append(cell)
+    if failed:
+        listing = "; ".join(f"{c.model} {c.row} {c.point}" for c in failed)
+        raise SystemExit(f"{len(failed)} cells failed ({listing}); fix and re-run: finished cells are skipped.")
+
+
+def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> None:
+    """The curve (metric against measured prune ratio, 95% intervals) or the per-layer fit, as PNG and PDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({p["model"] for p in points}) or ["(no finished run)"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = [p for p in points if p["model"] == model]
+        for row in dict.fromkeys(p["row"] for p in mine):
+            got = [p for p in mine if p["row"] == row]
+            if exp.get("kind", "curve") == "fit":
+                ax.plot(range(len(got[0]["layers"])), got[0]["layers"], marker="o", label=row)
+                continue
+            got.sort(key=lambda p: p["x"])
+            ys = [p["mean"].mean for p in got]
+            err = [[p["mean"].mean - p["mean"].low for p in got], [p["mean"].high - p["mean"].mean for p in got]]
+            ax.errorbar([p["x"] for p in got], ys, yerr=err if got[0]["mean"].n > 1 else None, marker="o",
+                        capsize=3, label=row)  # fmt: skip
+        if exp.get("kind", "curve") == "fit":
+            ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
+        else:
+            ax.set(xlabel="prune ratio (measured share of KV entries evicted)", ylabel=str(exp.get("metric", "score")))
+        ax.set_title(model, fontsize=9)
+        ax.grid(alpha=0.3)
+        if mine:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{exp.title} ({variant})", fontsize=10)
+    fig.tight_layout()
+    for suffix in (".png", ".pdf"):
+        fig.savefig(stem.with_suffix(suffix), dpi=120)
+    plt.close(fig)
+
+
+def table(args: argparse.Namespace) -> None:
+    exp = experiments.load(args.name)
+    header, rows, points = experiments.table(exp, args.variant, Path(args.root))
+    out = Path(args.out)
+    name = Path(args.name).stem  # a config's name, or a YAML file's
+    stem = out / f"{name}_{args.variant}"
+    caption = f"{exp.title} ({args.variant}; mirrors {exp.paper}). {experiments.summary_line(rows)}."
+    text = f"# {exp.title} ({args.variant})\n\nMirrors {exp.paper}. {exp.get('notes', '')}\n\n"
+    text += experiments.markdown(header, rows) + f"\n{experiments.summary_line(rows)}; 95% bootstrap intervals.\n"
+    write_atomic(stem.with_suffix(".md"), text)
+    write_atomic(stem.with_suffix(".tex"), experiments.latex(header, rows, caption))
+    figure(exp, args.variant, points, stem)
+    print(text)
+    print(f"wrote {stem}.md, .tex, .png and .pdf")
+    if args.wandb:
+        from kvresearch.tracking import tracker
+
+        config = {"experiment": args.name, "variant": args.variant}
+        logs = Path(args.root) / "tables" / stem.name  # W&B's files stay out of docs/
+        logs.mkdir(parents=True, exist_ok=True)
+        with tracker({"kind": "wandb", "mode": "offline", "project": "kvresearch", "group": args.name},
+                     config, logs, f"{args.name}-{args.variant}-table", "table") as t:  # fmt: skip
+            t.table("summary", header, rows)
+            t.image("figure", stem.with_suffix(".png"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="the experiments and their cell counts")
+    for action in ("run", "table"):
+        p = sub.add_parser(action)
+        p.add_argument("name")
+        p.add_argument("--variant", default="twin", choices=["twin", "hub"])
+        p.add_argument("--wandb", action=argparse.BooleanOptionalAction, default=True,
+                       help="log to W&B, grouped per experiment (offline unless WANDB_MODE=online)")  # fmt: skip
+    runner, tables = sub.choices["run"], sub.choices["table"]
+    runner.add_argument("--print", action="store_true", help="print the commands of the missing cells only")
+    runner.add_argument("--launcher", default=None, help="hydra/launcher for every cell (slurm, local, joblib)")
+    runner.add_argument("extra", nargs="*", help="after --: overrides for every job")
+    tables.add_argument("--root", default=str(outputs_root()))
+    tables.add_argument("--out", default="docs/results/experiments")
+    args = parser.parse_args()
+    try:
+        if args.action == "list":
+            for name in experiments.names():
+                exp = experiments.load(name)
+                sizes = {v: len(experiments.cells(exp, v)) for v in ("twin", "hub")}
+                print(f"{name:24s} twin {sizes['twin']:3d} cells, hub {sizes['hub']:4d} cells  {exp.title}")
+        else:
+            (run if args.action == "run" else table)(args)
+    except KVResearchError as error:
+        raise SystemExit(str(error)) from error
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The surrogate study behind the KVzap paper's R^2 figure, on one extract run: which data and shape generalise.
+
+    .venv/bin/python scripts/surrogate_study.py [--extract extract/default] [--fp32-extract RUN]
+        [--parts loso,curve,mix,width,dtype] [--out docs/results]
+
+Every point is a real ``train_surrogate`` run (Lightning for the MLP, ridge for the linear map) on a *view* of
+the extract run: a folder ``outputs/extract/study-<tag>`` whose manifest marks which documents train and which
+test (the others are left out), its shards linked to the original ones. Held-out R^2 is measured on the test
+documents: pooled per layer (mean over layers of the R^2 of all heads' scores), per head (mean), Spearman.
+
+* ``loso``: leave one source out: train on every document of the other sources, test on all of that source;
+* ``curve``: the learning curve with essays left out: train on the first N documents of the other sources;
+* ``mix``: the training mix at a fixed size (60 documents): essays, wiki, bible or a third of each, tested on
+  the essays' test split (the essays' train split is in-domain only for the essays-only point);
+* ``width``: MLP hidden width (hidden/16 .. hidden/2) with essays left out;
+* ``dtype``: stored hidden states in bf16 against fp32 (``--fp32-extract``: an extract run of the same corpus
+  with ``extract.hidden_dtype=float32``), the same documents, essays left out.
+
+Writes ``<out>/surrogate_study.md`` (one row per point), ``<out>/surrogate_study_curve.png`` (R^2 against
+training rows) and ``outputs/surrogate_study.json``. Finished runs are skipped on a re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from kvresearch.runs import outputs_root, read_json, repo_root, resolve_run, run_id, run_name, write_atomic, write_json
+
+CURVE = (15, 30, 60)  # documents of the other sources, then all of them
+WIDTHS = (36, 144, 288)  # hidden/16, hidden/4, hidden/2 for SmolLM2 (576); hidden/8 = 72 is the default
+MIX_SIZE = 60
+
+
+def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
+    """A finished extract run folder holding ``source``'s shards with ``train``/``test`` documents; its run id."""
+    folder = outputs_root() / "extract" / f"study-{tag}"
+    manifest = read_json(source / "manifest.json", "Re-run that extract.")
+    for doc in manifest["documents"]:
+        done = doc["status"] == "done" and doc["doc_id"] in train | test
+        doc["split"] = "test" if doc["doc_id"] in test else "train"
+        doc["status"] = "done" if done else "left_out_by_study"
+    manifest["study"] = {"source": str(source), "tag": tag, "train": len(train), "test": len(test)}
+    if folder.exists() and not (folder / "DONE").is_file():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "shards").exists():
+        (folder / "shards").symlink_to(source / "shards", target_is_directory=True)
+    write_json(folder / "manifest.json", manifest)
+    write_atomic(folder / "DONE", "study view\n")
+    return run_id(folder)
+
+
+def train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One train_surrogate run on a view (skipped when finished); its metrics."""
+    overrides = [f"paths.extract={extract_id}", f"surrogate={kind}", *extra]
+    folder = outputs_root() / "train_surrogate" / run_name(",".join(sorted(overrides)))
+    if not (folder / "DONE").is_file():
+        cmd = [sys.executable, "-m", "kvresearch.stages.train_surrogate", *overrides]
+        subprocess.run(cmd, check=True, cwd=repo_root())
+    return json.loads((folder / "metrics.json").read_text())
+
+
+def interleaved(docs: list[dict[str, Any]]) -> list[str]:
+    """Document ids taking the sources in turn (so a prefix of any length is a balanced mix)."""
+    by_source: dict[str, list[str]] = {}
+    for d in docs:
+        by_source.setdefault(d["source"], []).append(d["doc_id"])
+    return [i for group in zip_longest(*by_source.values()) for i in group if i is not None]
+
+
+def points(source: Path, parts: list[str], fp32: Path | None) -> list[dict[str, Any]]:
+    """Every study point asked for: its setting and its fit."""
+    docs = [d for d in read_json(source / "manifest.json", "")["documents"] if d["status"] == "done"]
+    of = lambda src, split=None: {d["doc_id"] for d in docs if d["source"] == src and split in (None, d["split"])}
+    sources = sorted({d["source"] for d in docs})
+    others = lambda left: interleaved([d for d in docs if d["source"] != left])
+    out = []
+
+    def point(part: str, tag: str, train_ids: set[str], test_ids: set[str], kinds=("linear", "mlp"), extra=(),
+              run: Path = source, **setting: Any) -> None:  # fmt: skip
+        extract_id = view(run, tag, train_ids, test_ids)
+        for kind in kinds:
+            m = train(extract_id, kind, extra)
+            t = m["test"]
+            r2_layer = sum(t["r2_per_layer"]) / len(t["r2_per_layer"])
+            out.append({"part": part, "tag": tag, "kind": kind, **setting, "train_docs": m["documents"]["train"],
+                        "train_rows": m["rows"]["train"] + m["rows"]["val"], "test_rows": t["rows"],
+                        "r2_pooled_per_layer": r2_layer, "r2_per_head": t["r2_mean"], "spearman": t["spearman_mean"],
+                        "train_s": m["train_s"]})  # fmt: skip
+            print(f"[study] {tag} {kind}: R^2 per layer {r2_layer:.3f}", flush=True)
+
+    if "loso" in parts:
+        for left in sources:
+            point("loso", f"loso-{left}", set(others(left)), of(left), left_out=left, train_mix="others")
+    if "curve" in parts:
+        for n in CURVE:
+            point("curve", f"curve-{n}", set(others("essays")[:n]), of("essays"), left_out="essays", train_mix="others")
+    if "mix" in parts:
+        for mix in [*sources, "mixed"]:
+            pool = interleaved([d for d in docs if d["split"] == "train" and (mix == "mixed" or d["source"] == mix)])
+            point(
+                "mix", f"mix-{mix}", set(pool[:MIX_SIZE]), of("essays", "test"), train_mix=mix, tested_on="essays/test"
+            )
+    if "width" in parts:
+        for width in WIDTHS:
+            point("width", f"loso-essays-w{width}", set(others("essays")), of("essays"), kinds=("mlp",),
+                  extra=(f"surrogate.mlp_hidden={width}",), left_out="essays", mlp_hidden=width)  # fmt: skip
+    if "dtype" in parts and fp32 is not None:
+        fp32_docs = {d["doc_id"] for d in read_json(fp32 / "manifest.json", "")["documents"] if d["status"] == "done"}
+        train_ids = set(others("essays")) & fp32_docs
+        for dtype, run in (("bfloat16", source), ("float32", fp32)):
+            point("dtype", f"dtype-{dtype}", train_ids, of("essays") & fp32_docs, run=run, left_out="essays",
+                  hidden_dtype=dtype)  # fmt: skip
+    return out
+
+
+def write(results: list[dict[str, Any]], out: Path) -> None:
+    """The Markdown table and the learning-curve plot."""
+    keys = ["part", "kind", "left_out", "train_mix", "mlp_hidden", "hidden_dtype", "train_docs", "train_rows"]
+    lines = ["| " + " | ".join([*keys, "R^2 pooled per layer", "R^2 per head", "Spearman", "train s"]) + " |",
+             "|" + "---|" * (len(keys) + 4)]  # fmt: skip
+    for r in results:
+        cells = [str(r.get(k, "")) for k in keys]
+        cells += [f"{r['r2_pooled_per_layer']:.3f}", f"{r['r2_per_head']:.3f}", f"{r['spearman']:.3f}"]
+        lines.append("| " + " | ".join([*cells, f"{r['train_s']:.0f}"]) + " |")
+    write_atomic(
+        out / "surrogate_study.md", "# Surrogate study (scripts/surrogate_study.py)\n\n" + "\n".join(lines) + "\n"
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in ("linear", "mlp"):
+        curve = sorted((r["train_rows"], r["r2_pooled_per_layer"]) for r in results if r["kind"] == kind and
+                       (r["part"] == "curve" or r["tag"] == "loso-essays"))  # fmt: skip
+        if curve:
+            ax.plot(*zip(*curve, strict=True), marker="o", label=kind)
+    ax.axhline(0.75, color="grey", linestyle="--", linewidth=1, label="target 0.75")
+    ax.set(xlabel="training rows (essays left out)", ylabel="held-out R^2 on essays (pooled per layer)", xscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "surrogate_study_curve.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--extract", default="extract/default")
+    parser.add_argument("--fp32-extract", default=None, help="an extract run with extract.hidden_dtype=float32")
+    parser.add_argument("--parts", default="loso,curve,mix,width,dtype")
+    parser.add_argument("--out", default="docs/results")
+    args = parser.parse_args()
+    source = resolve_run(args.extract, "extract")
+    fp32 = resolve_run(args.fp32_extract, "extract") if args.fp32_extract else None
+    results = points(source, args.parts.split(","), fp32)
+    write_json(outputs_root() / "surrogate_study.json", results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write(results, out)
+    print((out / "surrogate_study.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Experiments (conf/experiment/): every config composes; run folders as Hydra names them; tables from run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvresearch import experiments
+from kvresearch.errors import KVResearchError
+from kvresearch.runs import CONF_DIR, repo_root
+from kvresearch.stats import bootstrap_mean, paired_difference
+from tests.helpers import SMALL_RULER, compose_stage, surrogate_run
+
+SCRIPT = repo_root() / "scripts" / "experiment.py"
+
+
+@pytest.mark.parametrize("name", experiments.names())
+def test_every_experiment_config_composes_for_each_model_and_row(name: str) -> None:
+    exp = experiments.load(name)
+    for variant in ("twin", "hub"):
+        seen = set()
+        for cell in experiments.cells(exp, variant):
+            if (cell.model, cell.row) in seen:
+                continue
+            seen.add((cell.model, cell.row))
+            cfg = compose_stage(cell.stage, None, list(cell.overrides))  # unknown keys or groups raise here
+            if cell.stage == "evaluate":
+                source = cfg.model.source
+                assert (source == "hub") == (variant == "hub"), (name, variant, cell.model)
+    if exp.get("kind", "curve") == "curve":
+        assert experiments.cells(exp, "twin")[0].reference  # the full-cache row comes first
+
+
+def test_an_unknown_experiment_names_the_known_ones() -> None:
+    with pytest.raises(KVResearchError, match="kvzap_ruler"):
+        experiments.load("kvzap_rule")
+
+
+def write_experiment(path: Path, surrogate: Path, extra_row: bool = False) -> Path:
+    rows = [
+        {"method": "full", "reference": True},
+        {"method": "streaming_llm", "sweep": {"method.keep_ratio": [0.5]}},
+        {"method": "kvzap_linear", "overrides": [f"paths.surrogate_linear={surrogate}"],
+         "sweep": {"method.calibrate_to": [0.4]}},
+    ]  # fmt: skip
+    if extra_row:
+        rows.append({"method": "snapkv", "sweep": {"method.keep_ratio": [0.25]}})
+    shared = [o for o in SMALL_RULER if not o.startswith("model=")] + ["evaluate.calibration_samples=2"]
+    variant = {"models": ["tiny_random"], "shared": shared, "rows": rows}
+    spec = {"title": "test", "paper": "none", "stage": "evaluate", "variants": {"twin": variant, "hub": variant}}
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.slow
+def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_cells(tmp_path: Path, tiny) -> None:
+    from kvresearch.models import ModelAdapter
+
+    adapter = ModelAdapter(tiny.model)
+    surrogate_run(tmp_path / "out" / "surrogate", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads,
+                  kind="linear")  # fmt: skip
+    env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / "out")}
+    spec = write_experiment(tmp_path / "exp.yaml", tmp_path / "out" / "surrogate")
+    run = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb"], env=env, capture_output=True,
+                         text=True, cwd=repo_root())  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "3 cells to run" in run.stdout
+    # A fourth row added afterwards has no run: the table says so, the finished cells give their numbers.
+    write_experiment(spec, tmp_path / "out" / "surrogate", extra_row=True)
+    args = ["table", str(spec), "--out", str(tmp_path / "tables"), "--root", str(tmp_path / "out"), "--no-wandb"]
+    table = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr[-2000:]
+    text = (tmp_path / "tables" / "exp_twin.md").read_text()
+    rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in text.splitlines() if "tiny_random" in line}
+    assert rows["snapkv"][3:] == ["not run"] * 4
+    assert "3 of 4 cells finished" in text and "not run" in (tmp_path / "tables" / "exp_twin.tex").read_text()
+    for suffix in (".png", ".pdf"):
+        assert (tmp_path / "tables" / f"exp_twin{suffix}").stat().st_size > 1000
+    # The numbers are the run folders' own: the interval and the paired difference recomputed directly.
+    exp = experiments.load(str(spec))
+    cells = {c.row: c for c in experiments.cells(exp, "twin")}
+    scores = {}
+    for name in ("full", "streaming_llm", "kvzap_linear"):
+        folder = cells[name].folder(tmp_path / "out")
+        assert (folder / "DONE").is_file(), folder  # Hydra named the run as the cell expects
+        records = [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
+        scores[name] = {r["id"]: r["score"] for r in records}
+    ci = bootstrap_mean(list(scores["streaming_llm"].values())).scaled(100)
+    diff = paired_difference(*[[scores[n][i] for i in sorted(scores["full"])] for n in ("streaming_llm", "full")])
+    assert rows["streaming_llm"][5] == f"{ci.mean:.1f} [{ci.low:.1f}, {ci.high:.1f}]"
+    assert rows["streaming_llm"][6] == f"{diff.mean * 100:+.1f} [{diff.low * 100:+.1f}, {diff.high * 100:+.1f}]"
+    assert "tau=" in rows["kvzap_linear"][2]  # the calibrated threshold is shown with its target
+    # A re-run finds nothing left but the new row.
+    again = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb", "--print"], env=env,
+                           capture_output=True, text=True, cwd=repo_root())  # fmt: skip
+    assert "1 cells to run" in again.stdout and "snapkv" in again.stdout
+
+
+def test_configs_in_conf_experiment_name_models_that_exist() -> None:
+    models = {p.stem for p in (CONF_DIR / "model").glob("*.yaml")}
+    for name in experiments.names():
+        spec = yaml.safe_load((CONF_DIR / "experiment" / f"{name}.yaml").read_text())
+        for variant in spec["variants"].values():
+            for entry in variant["models"]:
+                assert (entry if isinstance(entry, str) else entry["name"]) in models, (name, entry)
