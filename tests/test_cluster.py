@@ -188,3 +188,6 @@ def test_the_pipeline_plan_waits_for_each_hand_off_and_names_the_runs_hydra_writ
     sweep = " ".join(jobs["evaluate-0"].command)
     assert f"paths.surrogate_mlp={run_id(Path(train.out_dir))}" in sweep and "method=kvzap_mlp" in sweep
     assert "paths.surrogate" not in " ".join(jobs["evaluate-full"].command)  # the reference run's name stays plain
+    full = jobs["evaluate-full"].command
+    assert "model=tiny_random" in full and "model=smollm2_135m" not in full  # the command line's model wins
+    assert "method.calibrate_to=0.5" in sweep  # the cells of the experiment (kvzap_ruler's twin)

@@ -66,9 +66,9 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
     surrogate_run(tmp_path / "out" / "surrogate", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads,
                   kind="linear")  # fmt: skip
     env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / "out")}
-    spec = write_experiment(tmp_path / "exp.yaml", tmp_path / "out" / "surrogate")
-    run = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb"], env=env, capture_output=True,
-                         text=True, cwd=repo_root())  # fmt: skip
+    spec = write_experiment(tmp_path / "fixture_xyz.yaml", tmp_path / "out" / "surrogate")
+    run = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec)], env=env, capture_output=True, text=True,
+                         cwd=repo_root())  # fmt: skip  # logged to W&B (offline), grouped per experiment
     assert run.returncode == 0, run.stderr[-2000:]
     assert "3 cells to run" in run.stdout
     # A fourth row added afterwards has no run: the table says so, the finished cells give their numbers.
@@ -76,19 +76,21 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
     args = ["table", str(spec), "--out", str(tmp_path / "tables"), "--root", str(tmp_path / "out"), "--no-wandb"]
     table = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True)
     assert table.returncode == 0, table.stderr[-2000:]
-    text = (tmp_path / "tables" / "exp_twin.md").read_text()
+    text = (tmp_path / "tables" / "fixture_xyz_twin.md").read_text()
     rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in text.splitlines() if "tiny_random" in line}
     assert rows["snapkv"][3:] == ["not run"] * 4
-    assert "3 of 4 cells finished" in text and "not run" in (tmp_path / "tables" / "exp_twin.tex").read_text()
+    assert "3 of 4 cells finished" in text and "not run" in (tmp_path / "tables" / "fixture_xyz_twin.tex").read_text()
     for suffix in (".png", ".pdf"):
-        assert (tmp_path / "tables" / f"exp_twin{suffix}").stat().st_size > 1000
+        assert (tmp_path / "tables" / f"fixture_xyz_twin{suffix}").stat().st_size > 1000
     # The numbers are the run folders' own: the interval and the paired difference recomputed directly.
     exp = experiments.load(str(spec))
     cells = {c.row: c for c in experiments.cells(exp, "twin")}
     scores = {}
     for name in ("full", "streaming_llm", "kvzap_linear"):
         folder = cells[name].folder(tmp_path / "out")
-        assert (folder / "DONE").is_file(), folder  # Hydra named the run as the cell expects
+        assert (folder / "DONE").is_file(), folder  # Hydra named the run as the cell expects (W&B keys left out)
+        records = next(folder.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+        assert b"predictions" in records and b"fixture_xyz" in records  # the predictions Table, the experiment's group
         records = [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
         scores[name] = {r["id"]: r["score"] for r in records}
     ci = bootstrap_mean(list(scores["streaming_llm"].values())).scaled(100)
@@ -109,3 +111,11 @@ def test_configs_in_conf_experiment_name_models_that_exist() -> None:
         for variant in spec["variants"].values():
             for entry in variant["models"]:
                 assert (entry if isinstance(entry, str) else entry["name"]) in models, (name, entry)
+
+
+def test_with_no_finished_run_every_cell_prints_not_run_and_no_number(tmp_path: Path) -> None:
+    for name in ("kvzap_ruler", "kvzap_surrogate_r2"):
+        header, rows, points = experiments.table(experiments.load(name), "twin", tmp_path)
+        assert rows and points == [] and all(r[3:] == ["not run"] * (len(header) - 3) for r in rows)
+        text = experiments.markdown(header, rows)
+        assert not any(ch.isdigit() for line in text.splitlines()[2:] for ch in line.split("|", 4)[-1])
