@@ -165,21 +165,24 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
         rows.append(
             [cell.model, cell.row, budget, str(mean.n), f"{result.prune_ratio:.3f}", _interval(mean, scale), versus]
         )
-        points.append({"model": cell.model, "row": cell.row, "x": result.prune_ratio, "mean": mean.scaled(scale)})
+        points.append({"model": cell.model, "row": cell.row, "x": result.prune_ratio, "mean": mean.scaled(scale),
+                       "reference": cell.reference})  # fmt: skip
     return header, rows, points
 
 
 def fit_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Header, table rows and per-layer points of a ``fit`` experiment (train_surrogate runs)."""
-    header = ["model", "surrogate", "setting", "test rows", "R^2 pooled per layer", "R^2 per head", "Spearman"]
+    header = ["model", "surrogate", "setting", "test rows", "R^2 pooled", "R^2 pooled per layer", "R^2 per head",
+              "Spearman"]  # fmt: skip
     rows, points = [], []
     for cell in cells(exp, variant):
         result = read(cell, root, "")
         if result is None:
-            rows.append([cell.model, cell.row, cell.point, NOT_RUN, NOT_RUN, NOT_RUN, NOT_RUN])
+            rows.append([cell.model, cell.row, cell.point, *[NOT_RUN] * 5])
             continue
         t = result.metrics["test"]
-        rows.append([cell.model, cell.row, cell.point, str(t["rows"]), f"{t['r2_pooled']:.3f}",
+        per_layer = sum(t["r2_per_layer"]) / len(t["r2_per_layer"])  # mean over layers of each layer's pooled R^2
+        rows.append([cell.model, cell.row, cell.point, str(t["rows"]), f"{t['r2_pooled']:.3f}", f"{per_layer:.3f}",
                      f"{t['r2_mean']:.3f}", f"{t['spearman_mean']:.3f}"])  # fmt: skip
         points.append({"model": cell.model, "row": f"{cell.row} {cell.point}".strip(), "layers": t["r2_per_layer"]})
     return header, rows, points

@@ -60,19 +60,25 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
     import matplotlib.pyplot as plt
 
     models = sorted({p["model"] for p in points}) or ["(no finished run)"]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(8, 6 * len(models)), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         mine = [p for p in points if p["model"] == model]
-        for row in dict.fromkeys(p["row"] for p in mine):
+        for i, row in enumerate(dict.fromkeys(p["row"] for p in mine)):
             got = [p for p in mine if p["row"] == row]
             if exp.get("kind", "curve") == "fit":
                 ax.plot(range(len(got[0]["layers"])), got[0]["layers"], marker="o", label=row)
                 continue
+            if got[0].get("reference"):  # the full cache: a line with its interval as a band
+                m = got[0]["mean"]
+                ax.axhline(m.mean, color="black", linestyle="--", linewidth=1, label=row)
+                if m.n > 1:
+                    ax.axhspan(m.low, m.high, color="grey", alpha=0.15)
+                continue
             got.sort(key=lambda p: p["x"])
             ys = [p["mean"].mean for p in got]
             err = [[p["mean"].mean - p["mean"].low for p in got], [p["mean"].high - p["mean"].mean for p in got]]
-            ax.errorbar([p["x"] for p in got], ys, yerr=err if got[0]["mean"].n > 1 else None, marker="o",
-                        capsize=3, label=row)  # fmt: skip
+            xs = [p["x"] + 0.006 * (i - 2) for p in got]  # a small offset per row: overlapping points stay visible
+            ax.errorbar(xs, ys, yerr=err if got[0]["mean"].n > 1 else None, marker="o", capsize=3, label=row)
         if exp.get("kind", "curve") == "fit":
             ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
         else:
