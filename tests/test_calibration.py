@@ -77,3 +77,20 @@ def test_file_benchmarks_calibrate_on_contexts_left_out_of_the_evaluation(tiny) 
     assert len(held_out) == 5 and not {s.context for s in held_out} & {s.context for s in samples[:3]}
     with pytest.raises(KVResearchError, match="none is left to calibrate"):
         calibration_samples(cfg, tiny.tokenizer, samples, 2)
+
+
+def test_a_method_asked_to_calibrate_refuses_to_compress_before_it_has(tiny, tmp_path: Path) -> None:
+    from kvresearch.methods.kvzap import KVzap
+    from kvresearch.models import Session
+    from kvresearch.prompts import build_prompt
+
+    adapter = ModelAdapter(tiny.model)
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
+    method = KVzap(surrogate=surrogate, calibrate_to=0.5, window=4)
+    session = Session(adapter, tiny.tokenizer)
+    prompt = build_prompt(tiny.tokenizer, "a b c d e f g h i j k l m n o p", "q?")
+    prompt.context_ids.clamp_(max=96)  # the tiny vocabulary
+    with pytest.raises(KVResearchError, match="only the evaluate stage"):
+        method.compress(session, prompt)
+    result = method.calibrate(session, [prompt])
+    assert abs(result.achieved - 0.5) < 0.05 and method.compress(session, prompt).stats()["prune_ratio"] > 0.4

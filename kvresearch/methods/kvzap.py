@@ -201,6 +201,11 @@ class KVzap(Method):
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
         """Threshold mode: chunked prefill with the pruner attached; keep_ratio mode: scores of a dense prefill."""
         self._check_fits(session)
+        if self.calibrate_to is not None and self._calibration is None:
+            raise KVResearchError(
+                f"method {self.name}: calibrate_to={self.calibrate_to} needs held-out contexts, which only the "
+                "evaluate stage gives; elsewhere set method.threshold (an evaluate run records its calibrated one)."
+            )
         if self.threshold is not None:
             cache = session.new_cache()
             with self.pruner().attach(session.adapter, cache) as timer:
