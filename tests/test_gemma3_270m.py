@@ -47,6 +47,8 @@ def test_the_assembled_model_is_gemma3_with_five_local_layers_per_global_one(gem
     assert gemma.tokenizer("The capital of France is Paris.", add_special_tokens=False).input_ids == [
         818, 5279, 529, 7001, 563, 9079, 236761,
     ]  # fmt: skip
+    # Its user-defined pieces (runs of newlines and spaces) are matched before any merge, as SentencePiece does.
+    assert gemma.tokenizer(":\n\n  As a", add_special_tokens=False).input_ids == [236787, 108, 138, 2205, 496]
     question = gemma.tokenizer("Question: What is the capital of France?\nAnswer:", add_special_tokens=False).input_ids
     out = greedy(gemma.model, DynamicCache(), torch.tensor([[gemma.tokenizer.bos_token_id, *question]]), steps=3)
     assert gemma.tokenizer.decode(out.argmax(-1)).startswith(" Paris")

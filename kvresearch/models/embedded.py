@@ -22,6 +22,15 @@ import torch
 from kvresearch.errors import KVResearchError
 
 CACHE_ENV = "KVRESEARCH_CACHE"
+CONVERTER = 2  # raised when a conversion changes; folders written by an older one are converted again
+
+
+def _current(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete conversion by this converter (its ``kvresearch.json`` says so)."""
+    try:
+        return json.loads((folder / "kvresearch.json").read_text()).get("converter") == CONVERTER
+    except (OSError, ValueError):
+        return False
 
 
 def cache_root() -> Path:
@@ -85,7 +94,7 @@ def embedded_folder(
         assembled: the GGUF is split over wheels and ``package.assemble`` joins it (Gemma-3-270m).
     """
     target = cache_root() / "models" / name
-    if (target / "kvresearch.json").is_file():
+    if _current(target):
         return target
     source = assembled_gguf(package, gguf_file) if assembled else gguf_path(package, gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,8 +102,8 @@ def embedded_folder(
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         _convert(source, tmp, chat_tokens or {})
-        if target.exists():  # an unfinished folder from an older run, or a concurrent conversion won
-            if (target / "kvresearch.json").is_file():
+        if target.exists():  # an unfinished or outdated folder, or a concurrent conversion won
+            if _current(target):
                 shutil.rmtree(tmp)
                 return target
             shutil.rmtree(target)
@@ -105,15 +114,17 @@ def embedded_folder(
     return target
 
 
-def _restore_bpe_merges(tokenizer: Any) -> None:
+def _restore_bpe_merges(tokenizer: Any, source: Path) -> None:
     """Rebuild Gemma's SentencePiece BPE tokenizer from the Unigram model transformers' GGUF converter gives it.
 
     transformers reads Gemma's GGUF vocabulary into a Unigram model (and, once saved, reloads it as a BPE
     model without merges: every text splits into characters). SentencePiece BPE merges pieces in the order
     of their scores (the GGUF's ``tokenizer.ggml.scores``), so the merges are rebuilt from the vocabulary and
     the scores, as transformers' own converter does from a SentencePiece file ("The capital of France is
-    Paris." is then 7 tokens, not 31).
+    Paris." is then 7 tokens, not 31). SentencePiece matches its user-defined pieces (token type 4 in the
+    GGUF: runs of newlines and of spaces, a few markers) before any merge; they become added tokens here.
     """
+    import gguf
     from tokenizers import Tokenizer
     from transformers.convert_slow_tokenizer import generate_merges
 
@@ -122,8 +133,16 @@ def _restore_bpe_merges(tokenizer: Any) -> None:
         return
     pieces = state["model"]["vocab"]  # [piece, score] in id order
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
-    special = {t["content"] for t in state.get("added_tokens", [])}
-    merges = generate_merges(vocab, dict((p, s) for p, s in pieces), skip_tokens=special)
+    types = gguf.GGUFReader(source).fields["tokenizer.ggml.token_type"]
+    user = [i for i, part in enumerate(types.data) if int(types.parts[part][0]) == 4]
+    known = {t["id"] for t in state.get("added_tokens", [])}
+    state.setdefault("added_tokens", []).extend(
+        {"id": i, "content": pieces[i][0], "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": False}
+        for i in user if i not in known
+    )  # fmt: skip
+    skip = {t["content"] for t in state["added_tokens"]}
+    merges = generate_merges(vocab, dict((p, s) for p, s in pieces), skip_tokens=skip)
     state["model"] = {
         "type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
         "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
@@ -147,7 +166,7 @@ def _convert(source: Path, out: Path, chat_tokens: dict[str, str]) -> None:
     del gguf_model
 
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    _restore_bpe_merges(tokenizer)
+    _restore_bpe_merges(tokenizer, source)
     tokenizer.add_bos_token = False  # type: ignore[misc]  # the chat template carries its own start tokens
     for key, token in chat_tokens.items():
         setattr(tokenizer, key, token)
@@ -159,6 +178,11 @@ def _convert(source: Path, out: Path, chat_tokens: dict[str, str]) -> None:
 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    manifest = {"source": source.name, "source_bytes": source.stat().st_size, "dtype": "float32"}
+    manifest = {
+        "source": source.name,
+        "source_bytes": source.stat().st_size,
+        "dtype": "float32",
+        "converter": CONVERTER,
+    }
     # Written last: its presence marks the folder complete.
     (out / "kvresearch.json").write_text(json.dumps(manifest, indent=2))
