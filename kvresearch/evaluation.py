@@ -133,10 +133,8 @@ def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict
     return Predictions(folder / "predictions.jsonl").load()
 
 
-def calibrate(session: Session, method: Method, held_out: list[Sample], settings: Settings) -> dict[str, Any] | None:
-    """Calibrate a method's threshold on ``held_out`` (first question of each), if it asks for it."""
-    if getattr(method, "calibrate_to", None) is None:
-        return None
+def calibrate(session: Session, method: Method, held_out: list[Sample], settings: Settings) -> dict[str, Any]:
+    """Calibrate a method's threshold on ``held_out`` (the first question of each); what the run records."""
     prompts = [prompts_of(session.tokenizer, s, settings)[0] for s in held_out]
     result = method.calibrate(session, prompts)  # type: ignore[attr-defined]
     print(f"[kvresearch] {method.name}: threshold {result.threshold:.4f} prunes {result.achieved:.3f} of "

@@ -14,6 +14,7 @@ same answers in both) with its interval. ``kind: fit`` reads train_surrogate run
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -51,10 +52,11 @@ def load(name: str) -> DictConfig:
     return exp
 
 
-def excluded_keys() -> list[str]:
-    """The override keys Hydra leaves out of run names (``conf/common.yaml``)."""
+@functools.cache
+def excluded_keys() -> frozenset[str]:
+    """The override keys Hydra leaves out of run names (``conf/common.yaml``, read once)."""
     common = OmegaConf.load(CONF_DIR / "common.yaml")
-    return list(common.hydra.job.config.override_dirname.exclude_keys)
+    return frozenset(common.hydra.job.config.override_dirname.exclude_keys)
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,7 @@ class Cell:
 
     def folder(self, root: Path) -> Path:
         """The run folder Hydra gives these overrides (``conf/common.yaml``: sorted, excluded keys left out)."""
-        excluded = set(excluded_keys())
-        kept = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") not in excluded]
+        kept = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") not in excluded_keys()]
         return Path(root) / self.stage / run_name(",".join(sorted(kept)))
 
 
