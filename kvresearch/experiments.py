@@ -30,6 +30,7 @@ from kvresearch.stats import Interval, bootstrap_mean, paired_difference
 EXPERIMENTS = CONF_DIR / "experiment"
 NOT_RUN = "not run"
 KINDS = ("curve", "fit")
+RATIOS = ("prune_ratio", "decode_prune_ratio")  # the x-axis: evicted at prefill, or at the end of a generation
 
 
 def names() -> list[str]:
@@ -46,6 +47,8 @@ def load(name: str) -> DictConfig:
     assert isinstance(exp, DictConfig)
     if exp.get("kind", "curve") not in KINDS:
         raise KVResearchError(f"experiment {name}: kind must be one of {KINDS}, got {exp.get('kind')!r}.")
+    if exp.get("ratio", RATIOS[0]) not in RATIOS:
+        raise KVResearchError(f"experiment {name}: ratio must be one of {RATIOS}, got {exp.get('ratio')!r}.")
     for variant in ("hub", "twin"):
         if not (exp.get("variants") or {}).get(variant, {}).get("rows"):
             raise KVResearchError(f"experiment {name}: variants.{variant}.rows is missing or empty.")
@@ -107,10 +110,9 @@ class Result:
     metrics: dict[str, Any]
     values: dict[str, float] = field(default_factory=dict)  # per answer id: the metric
 
-    @property
-    def prune_ratio(self) -> float:
-        """The measured prune ratio (mean over answers)."""
-        return float(self.metrics.get("overall", {}).get("prune_ratio") or 0.0)
+    def ratio(self, key: str = "prune_ratio") -> float:
+        """The measured prune ratio ``key`` (one of ``RATIOS``; mean over answers)."""
+        return float(self.metrics.get("overall", {}).get(key) or 0.0)
 
 
 def read(cell: Cell, root: Path, metric: str) -> Result | None:
@@ -148,7 +150,8 @@ def _interval(i: Interval | None, scale: float, signed: bool = False) -> str:
 def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics)."""
     metric, scale = str(exp.get("metric", "score")), float(exp.get("scale", 100))
-    header = ["model", "method", "budget", "answers", "prune ratio", f"{metric} [95% CI]", "vs full [95% CI]"]
+    key = str(exp.get("ratio", RATIOS[0]))
+    header = ["model", "method", "budget", "answers", key.replace("_", " "), f"{metric} [95% CI]", "vs full [95% CI]"]
     rows, points = [], []
     references: dict[str, Result | None] = {}
     for cell in cells(exp, variant):
@@ -164,9 +167,9 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
         budget = cell.point + (f" (tau={calibration:.2f})" if calibration is not None else "")
         versus = "" if cell.reference else _interval(diff, scale, True) or "no full run"
         rows.append(
-            [cell.model, cell.row, budget, str(mean.n), f"{result.prune_ratio:.3f}", _interval(mean, scale), versus]
+            [cell.model, cell.row, budget, str(mean.n), f"{result.ratio(key):.3f}", _interval(mean, scale), versus]
         )
-        points.append({"model": cell.model, "row": cell.row, "x": result.prune_ratio, "mean": mean.scaled(scale),
+        points.append({"model": cell.model, "row": cell.row, "x": result.ratio(key), "mean": mean.scaled(scale),
                        "reference": cell.reference})  # fmt: skip
     return header, rows, points
 

@@ -82,7 +82,9 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
         if exp.get("kind", "curve") == "fit":
             ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
         else:
-            ax.set(xlabel="prune ratio (measured share of KV entries evicted)", ylabel=str(exp.get("metric", "score")))
+            when = "at the end of each generation" if exp.get("ratio") == "decode_prune_ratio" else "at prefill"
+            xlabel = f"prune ratio (measured share of KV entries evicted {when})"
+            ax.set(xlabel=xlabel, ylabel=str(exp.get("metric", "score")))
         ax.set_title(model, fontsize=9)
         ax.grid(alpha=0.3)
         if mine:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from kvresearch import experiments
 from kvresearch.errors import KVResearchError
@@ -119,3 +120,25 @@ def test_with_no_finished_run_every_cell_prints_not_run_and_no_number(tmp_path: 
         assert rows and points == [] and all(r[3:] == ["not run"] * (len(header) - 3) for r in rows)
         text = experiments.markdown(header, rows)
         assert not any(ch.isdigit() for line in text.splitlines()[2:] for ch in line.split("|", 4)[-1])
+
+
+def test_a_decoding_experiment_plots_the_ratio_at_the_end_of_the_generation(tmp_path: Path) -> None:
+    exp = experiments.load("kvzap_aime25")  # pruned while decoding: nothing is evicted at prefill
+    for cell in experiments.cells(exp, "twin"):
+        folder = cell.folder(tmp_path)
+        folder.mkdir(parents=True)
+        end = 0.0 if cell.reference else 0.25 + 0.1 * len(cell.point)
+        overall = {"prune_ratio": 0.0, "decode_prune_ratio": end}
+        (folder / "metrics.json").write_text(json.dumps({"overall": overall}))
+        (folder / "predictions.jsonl").write_text(json.dumps({"id": "a", "score": 1.0}) + "\n")
+        (folder / "DONE").touch()
+    header, rows, points = experiments.table(exp, "twin", tmp_path)
+    assert header[4] == "decode prune ratio"
+    for row, point, cell in zip(rows, points, experiments.cells(exp, "twin"), strict=True):
+        end = 0.0 if cell.reference else 0.25 + 0.1 * len(cell.point)
+        assert row[4] == f"{end:.3f}" and point["x"] == pytest.approx(end)
+    exp.ratio = "kept_ratio"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(OmegaConf.to_container(exp)))
+    with pytest.raises(KVResearchError, match="ratio must be one of"):
+        experiments.load(str(bad))
