@@ -38,6 +38,11 @@ def names() -> list[str]:
     return sorted(p.stem for p in EXPERIMENTS.glob("*.yaml"))
 
 
+def x_axis(exp: DictConfig) -> str:
+    """The prune ratio an experiment plots (its ``ratio`` key, one of ``RATIOS``; prefill by default)."""
+    return str(exp.get("ratio", RATIOS[0]))
+
+
 def load(name: str) -> DictConfig:
     """``conf/experiment/<name>.yaml`` (or a YAML file's path), checked: a known kind, ``twin`` and ``hub`` rows."""
     path = Path(name) if name.endswith(".yaml") else EXPERIMENTS / f"{name}.yaml"
@@ -47,7 +52,7 @@ def load(name: str) -> DictConfig:
     assert isinstance(exp, DictConfig)
     if exp.get("kind", "curve") not in KINDS:
         raise KVResearchError(f"experiment {name}: kind must be one of {KINDS}, got {exp.get('kind')!r}.")
-    if exp.get("ratio", RATIOS[0]) not in RATIOS:
+    if x_axis(exp) not in RATIOS:
         raise KVResearchError(f"experiment {name}: ratio must be one of {RATIOS}, got {exp.get('ratio')!r}.")
     for variant in ("hub", "twin"):
         if not (exp.get("variants") or {}).get(variant, {}).get("rows"):
@@ -110,7 +115,7 @@ class Result:
     metrics: dict[str, Any]
     values: dict[str, float] = field(default_factory=dict)  # per answer id: the metric
 
-    def ratio(self, key: str = "prune_ratio") -> float:
+    def ratio(self, key: str) -> float:
         """The measured prune ratio ``key`` (one of ``RATIOS``; mean over answers)."""
         return float(self.metrics.get("overall", {}).get(key) or 0.0)
 
@@ -150,7 +155,7 @@ def _interval(i: Interval | None, scale: float, signed: bool = False) -> str:
 def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics)."""
     metric, scale = str(exp.get("metric", "score")), float(exp.get("scale", 100))
-    key = str(exp.get("ratio", RATIOS[0]))
+    key = x_axis(exp)
     header = ["model", "method", "budget", "answers", key.replace("_", " "), f"{metric} [95% CI]", "vs full [95% CI]"]
     rows, points = [], []
     references: dict[str, Result | None] = {}

@@ -82,7 +82,7 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
         if exp.get("kind", "curve") == "fit":
             ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
         else:
-            when = "at the end of each generation" if exp.get("ratio") == "decode_prune_ratio" else "at prefill"
+            when = "at the end of each generation" if experiments.x_axis(exp) == "decode_prune_ratio" else "at prefill"
             xlabel = f"prune ratio (measured share of KV entries evicted {when})"
             ax.set(xlabel=xlabel, ylabel=str(exp.get("metric", "score")))
         ax.set_title(model, fontsize=9)

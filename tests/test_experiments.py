@@ -124,19 +124,19 @@ def test_with_no_finished_run_every_cell_prints_not_run_and_no_number(tmp_path: 
 
 def test_a_decoding_experiment_plots_the_ratio_at_the_end_of_the_generation(tmp_path: Path) -> None:
     exp = experiments.load("kvzap_aime25")  # pruned while decoding: nothing is evicted at prefill
-    for cell in experiments.cells(exp, "twin"):
+    cells = experiments.cells(exp, "twin")
+    end = {cell: 0.0 if cell.reference else 0.2 + 0.1 * i for i, cell in enumerate(cells)}  # distinct per cell
+    for cell in cells:
         folder = cell.folder(tmp_path)
         folder.mkdir(parents=True)
-        end = 0.0 if cell.reference else 0.25 + 0.1 * len(cell.point)
-        overall = {"prune_ratio": 0.0, "decode_prune_ratio": end}
+        overall = {"prune_ratio": 0.0, "decode_prune_ratio": end[cell]}
         (folder / "metrics.json").write_text(json.dumps({"overall": overall}))
         (folder / "predictions.jsonl").write_text(json.dumps({"id": "a", "score": 1.0}) + "\n")
         (folder / "DONE").touch()
     header, rows, points = experiments.table(exp, "twin", tmp_path)
     assert header[4] == "decode prune ratio"
-    for row, point, cell in zip(rows, points, experiments.cells(exp, "twin"), strict=True):
-        end = 0.0 if cell.reference else 0.25 + 0.1 * len(cell.point)
-        assert row[4] == f"{end:.3f}" and point["x"] == pytest.approx(end)
+    for row, point, cell in zip(rows, points, cells, strict=True):
+        assert row[4] == f"{end[cell]:.3f}" and point["x"] == pytest.approx(end[cell])
     exp.ratio = "kept_ratio"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(OmegaConf.to_container(exp)))
