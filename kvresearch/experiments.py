@@ -90,8 +90,11 @@ def cells(exp: DictConfig, variant: str) -> list[Cell]:
         raise KVResearchError(f"experiment variants are {sorted(exp.variants)}, not '{variant}'.")
     spec = exp.variants[variant]
     out: list[Cell] = []
-    for entry in spec.models:  # a model config name, or {name, overrides} (train_surrogate takes no model=)
-        model, chosen = (entry, [f"model={entry}"]) if isinstance(entry, str) else (entry.name, entry.overrides)
+    for entry in spec.models:  # a model config name, or {name, overrides[, label]} (train_surrogate takes no model=)
+        if isinstance(entry, str):
+            model, chosen = entry, [f"model={entry}"]
+        else:  # a label tells apart two entries of one model (RULER at 2k and at 4k, each with its own full cache)
+            model, chosen = entry.get("label") or entry.name, entry.overrides
         mine: list[Cell] = []
         for row in spec.rows:
             sweep = dict(row.get("sweep") or {})
@@ -106,6 +109,25 @@ def cells(exp: DictConfig, variant: str) -> list[Cell]:
                 mine.append(cell)
         out += sorted(mine, key=lambda c: not c.reference)
     return out
+
+
+def select(found: list[Cell], rows: list[str] | None) -> list[Cell]:
+    """The cells of ``rows`` in that order, each model's full-cache row first; every cell for no ``rows``.
+
+    An entry is a row's label (all its budget points) or ``label@point`` (one point, e.g.
+    ``kvzap_mlp@calibrate_to=0.5``), so the key points of a long grid run first and the rest later.
+    """
+    if not rows:
+        return found
+    known = {c.row for c in found} | {f"{c.row}@{c.point}" for c in found}
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        labels = ", ".join(dict.fromkeys(c.row for c in found))
+        raise KVResearchError(f"no row {', '.join(unknown)} here; rows: {labels} (label, or label@point).")
+    rank = lambda c: min(i for i, r in enumerate(rows) if r in (c.row, f"{c.row}@{c.point}"))
+    chosen = [c for c in found if c.reference or c.row in rows or f"{c.row}@{c.point}" in rows]
+    models = list(dict.fromkeys(c.model for c in found))
+    return sorted(chosen, key=lambda c: (models.index(c.model), not c.reference, 0 if c.reference else rank(c)))
 
 
 @dataclass

@@ -1,12 +1,14 @@
 """Run an experiment's missing cells, or rebuild its table and figure from the run folders (conf/experiment/).
 
     .venv/bin/python scripts/experiment.py list
-    .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--print] [--launcher slurm] [-- ARGS]
+    .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--rows R,..] [--print]
+        [--launcher slurm] [-- ARGS]
     .venv/bin/python scripts/experiment.py table kvzap_ruler [--variant twin] [--out docs/results/experiments] [--wandb]
 
 ``run`` starts one stage job per cell that is not finished (the full-cache row first: the others take their
-full-cache answers from it), each logged to W&B (offline by default; ``--no-wandb`` to skip) in the group
-``<experiment>`` with the variant as a tag; ``--print`` only prints the commands (to hand to any scheduler);
+full-cache answers from it; ``--rows`` picks rows or budget points, in the order given), each logged to W&B
+(offline by default; ``--no-wandb`` to skip) in the group ``<experiment>`` with the variant as a tag;
+``--print`` only prints the commands (to hand to any scheduler);
 ``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/). Extra
 arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
 cell without a finished run prints "not run") and ``.png`` / ``.pdf`` (the curve: metric against the
@@ -39,7 +41,8 @@ def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace) -> 
 def run(args: argparse.Namespace) -> None:
     exp = experiments.load(args.name)
     root = outputs_root()
-    todo = [c for c in experiments.cells(exp, args.variant) if not is_done(c.folder(root))]
+    chosen = experiments.select(experiments.cells(exp, args.variant), args.rows.split(",") if args.rows else None)
+    todo = [c for c in chosen if not is_done(c.folder(root))]
     print(f"{args.name} ({args.variant}): {len(todo)} cells to run", flush=True)
     failed = []
     for i, cell in enumerate(todo, 1):
@@ -134,6 +137,8 @@ def main() -> None:
                        help="log to W&B, grouped per experiment (offline unless WANDB_MODE=online)")  # fmt: skip
     runner, tables = sub.choices["run"], sub.choices["table"]
     runner.add_argument("--print", action="store_true", help="print the commands of the missing cells only")
+    only = "only these rows, in this order (label or label@point, comma-separated; the full cache runs first)"
+    runner.add_argument("--rows", default=None, help=f"{only}, e.g. kvzap_mlp@calibrate_to=0.5,kvzip_plus")
     runner.add_argument("--launcher", default=None, help="hydra/launcher for every cell (slurm, local, joblib)")
     runner.add_argument("extra", nargs="*", help="after --: overrides for every job")
     tables.add_argument("--root", default=str(outputs_root()))

@@ -142,3 +142,38 @@ def test_a_decoding_experiment_plots_the_ratio_at_the_end_of_the_generation(tmp_
     bad.write_text(yaml.safe_dump(OmegaConf.to_container(exp)))
     with pytest.raises(KVResearchError, match="ratio must be one of"):
         experiments.load(str(bad))
+
+
+def test_rows_pick_cells_in_the_order_given_with_each_full_cache_row_first() -> None:
+    cells = experiments.cells(experiments.load("ruler_resolved"), "twin")
+    chosen = experiments.select(cells, ["kvzip_plus", "kvzap_mlp@calibrate_to=0.5"])
+    expected = [("full", ""), ("kvzip_plus", "keep_ratio=0.5"), ("kvzip_plus", "keep_ratio=0.25"),
+                ("kvzap_mlp", "calibrate_to=0.5")]  # fmt: skip
+    assert [(c.model, c.row, c.point) for c in chosen] == [
+        (model, row, point) for model in ("smollm2_135m 2k", "smollm2_135m 4k") for row, point in expected
+    ]  # 2k before 4k
+    assert experiments.select(cells, None) == cells
+    with pytest.raises(KVResearchError, match="rows: full, kvzap_mlp"):
+        experiments.select(cells, ["kvzap"])
+
+
+def test_two_entries_of_one_model_are_paired_with_their_own_full_cache(tmp_path: Path) -> None:
+    exp = experiments.load("ruler_resolved")  # 2k and 4k: one model, two labelled entries
+    plant = {("smollm2_135m 2k", "full"): 1.0, ("smollm2_135m 4k", "full"): 0.0,
+             ("smollm2_135m 2k", "snapkv"): 1.0, ("smollm2_135m 4k", "snapkv"): 0.0}  # fmt: skip
+    folders = set()
+    for cell in experiments.cells(exp, "twin"):
+        if (cell.model, cell.row) not in plant or cell.point == "keep_ratio=0.25":
+            continue
+        folder = cell.folder(tmp_path)
+        folders.add(folder)
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"overall": {"prune_ratio": 0.0 if cell.reference else 0.5}}))
+        score = plant[cell.model, cell.row]
+        (folder / "predictions.jsonl").write_text("".join(json.dumps({"id": i, "score": score}) + "\n" for i in "ab"))
+        (folder / "DONE").touch()
+    assert len(folders) == 4  # each entry's cells have run folders of their own
+    _, rows, _ = experiments.table(exp, "twin", tmp_path)
+    snapkv = [r for r in rows if r[1] == "snapkv" and r[3] != "not run"]
+    got = [(r[0], r[5].split()[0], r[6].split()[0]) for r in snapkv]  # mean, and the difference against full
+    assert got == [("smollm2_135m 2k", "100.0", "+0.0"), ("smollm2_135m 4k", "0.0", "+0.0")]  # not +/-100
