@@ -1,0 +1,127 @@
+"""What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
+
+    .venv/bin/python scripts/surrogate_probe.py [--extract extract/default] [--left-out essays]
+        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--out outputs/surrogate_probe.json]
+
+Each input set is a closed-form ridge per layer (alpha 1, float64, ``kvresearch.ops.ridge``, as
+``surrogate=linear``) trained on every document of the other sources and tested on all of ``--left-out``;
+held-out R^2 pooled per layer (the surrogate study's measure), mean over the chosen layers:
+
+* ``h``: the surrogate's own input, the attention input h_i (the baseline; equals the study's linear point);
+* ``value_norms``: h_i and the exact log ||v_i W_O^g|| of every query head g (the KVzip+ score's second
+  factor, a function of h_i that a linear map cannot form);
+* ``neighbours``: h_i, h_{i-1} and h_{i+1} (needs an extract of every position, ``extract.samples_per_doc``
+  above the document length; rows whose neighbour was not sampled use their own h, and the share that had
+  both neighbours is reported);
+* ``position``: h_i and log(1 + i), the offset inside the document;
+* ``a+b``: h_i and what both add (``value_norms+position``).
+
+Written to ``--out`` (JSON: per layer and mean per input set); the numbers are quoted in docs/surrogates.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from sklearn.metrics import r2_score
+
+from kvresearch.models import ModelAdapter, load_model
+from kvresearch.ops.ridge import RidgeAccumulator
+from kvresearch.ops.scores import value_output_norms
+from kvresearch.runs import outputs_root, resolve_run, write_json
+from kvresearch.surrogate.data import ExtractRun
+
+INPUTS = ("h", "value_norms", "neighbours", "position")
+
+
+class Split:
+    """The rows of some documents: hidden states (rows, layers, D), scores (rows, layers, Hkv), neighbours."""
+
+    def __init__(self, run: ExtractRun, documents: set[int]):
+        rows = run.rows_of(documents)
+        self.h, self.y = run.fetch(rows)
+        pos = np.concatenate([np.asarray(s.pos) for s in run.shards])[rows]
+        doc = run.doc[rows]
+        where = {(int(d), int(p)): i for i, (d, p) in enumerate(zip(doc, pos, strict=True))}
+        own = range(len(rows))
+        self.prev = torch.tensor([where.get((int(d), int(p) - 1), i) for i, d, p in zip(own, doc, pos, strict=True)])
+        self.next = torch.tensor([where.get((int(d), int(p) + 1), i) for i, d, p in zip(own, doc, pos, strict=True)])
+        own_t = torch.arange(len(rows))
+        self.both_neighbours = float(((self.prev != own_t) & (self.next != own_t)).float().mean())
+        self.log_pos = torch.log1p(torch.from_numpy(pos.astype(np.float32)))[:, None]
+
+
+def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.Tensor:
+    """(rows, columns) that input ``name`` adds to h at one layer (none for ``h``)."""
+    h = split.h[:, layer]
+    if name == "h":
+        return h[:, :0]
+    if name == "value_norms":
+        with torch.no_grad():
+            _, _, v = adapter.project(layer, h[None])  # v: (1, Hkv, rows, d)
+            norms = value_output_norms(v[0], adapter.output_weight(layer).float())  # (Hkv, G, rows)
+        return norms.flatten(0, 1).T.clamp_min(1e-12).log()
+    if name == "neighbours":
+        return torch.cat([h[split.prev], h[split.next]], 1)
+    if name == "position":
+        return split.log_pos
+    raise SystemExit(f"unknown input {name!r}; choose from {', '.join(INPUTS)} (join with + to combine)")
+
+
+def features(split: Split, layer: int, which: str, adapter: ModelAdapter) -> torch.Tensor:
+    """(rows, features) of one input set (``value_norms+position``: h and both) at one layer."""
+    return torch.cat([split.h[:, layer], *(extra(split, layer, name, adapter) for name in which.split("+"))], 1)
+
+
+def ridge_r2(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor) -> float:
+    """Held-out R^2 (pooled over heads and rows) of a ridge fit, alpha 1."""
+    acc = RidgeAccumulator(1, x.shape[1], y.shape[1])
+    acc.update(x[:, None], y[:, None])
+    weights, bias = acc.solve(1.0)
+    pred = x_test.double() @ weights[0] + bias[0]
+    return float(r2_score(y_test.double().numpy().ravel(), pred.numpy().ravel()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--extract", default="extract/default")
+    parser.add_argument("--left-out", default="essays")
+    parser.add_argument("--layers", default=None, help="comma-separated; default every layer")
+    parser.add_argument("--inputs", default="h,value_norms,position,value_norms+position")
+    parser.add_argument("--out", default=str(outputs_root() / "surrogate_probe.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    folder = resolve_run(args.extract, "extract")
+    run = ExtractRun(folder)
+    adapter = ModelAdapter(load_model(OmegaConf.load(folder / "config.yaml").model).model)
+    docs = [d for d in run.manifest["documents"] if d["status"] == "done"]
+    if args.left_out not in {d["source"] for d in docs}:
+        raise SystemExit(f"no source {args.left_out!r} in {folder}; sources: {sorted({d['source'] for d in docs})}")
+    train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out})
+    test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out})
+    layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
+    inputs = args.inputs.split(",")
+    per_layer: dict[str, list[float]] = {which: [] for which in inputs}
+    for layer in layers:
+        for which in inputs:
+            x, x_test = features(train, layer, which, adapter), features(test, layer, which, adapter)
+            per_layer[which].append(ridge_r2(x, train.y[:, layer], x_test, test.y[:, layer]))
+        print(f"[probe] layer {layer}: " + " ".join(f"{w} {v[-1]:.3f}" for w, v in per_layer.items()), flush=True)
+    result: dict[str, Any] = {
+        "extract": str(folder), "left_out": args.left_out, "layers": layers,
+        "rows": {"train": len(train.y), "test": len(test.y)},
+        "both_neighbours_share": {"train": train.both_neighbours, "test": test.both_neighbours},
+        "r2_pooled_per_layer": per_layer, "mean": {w: float(np.mean(v)) for w, v in per_layer.items()},
+    }  # fmt: skip
+    write_json(Path(args.out), result)
+    print({w: round(m, 4) for w, m in result["mean"].items()})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
