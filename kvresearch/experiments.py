@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,66 +137,90 @@ class Result:
 
     metrics: dict[str, Any]
     values: dict[str, float] = field(default_factory=dict)  # per answer id: the metric
+    also: dict[str, dict[str, float]] = field(default_factory=dict)  # per extra metric: per answer id, its value
 
     def ratio(self, key: str) -> float:
         """The measured prune ratio ``key`` (one of ``RATIOS``; mean over answers)."""
         return float(self.metrics.get("overall", {}).get(key) or 0.0)
 
 
-def read(cell: Cell, root: Path, metric: str) -> Result | None:
-    """The finished run of ``cell``, or None (no folder, no DONE)."""
+def read(cell: Cell, root: Path, metric: str, also: tuple[str, ...] = ()) -> Result | None:
+    """The finished run of ``cell``, or None (no folder, no DONE); per-answer ``metric`` and ``also`` values."""
     folder = cell.folder(root)
     if not is_done(folder):
         return None
     metrics = json.loads((folder / "metrics.json").read_text())
-    values = {}
+    per: dict[str, dict[str, float]] = {name: {} for name in (metric, *also)}
     predictions = folder / "predictions.jsonl"
     if predictions.is_file():
         for line in predictions.read_text().splitlines():
             record = json.loads(line) if line.strip() else {}
-            if record.get(metric) is not None:
-                values[str(record["id"])] = float(record[metric])
-    return Result(metrics, values)
+            for name, values in per.items():
+                if record.get(name) is not None and math.isfinite(float(record[name])):  # NaN: an empty answer
+                    values[str(record["id"])] = float(record[name])
+    return Result(metrics, per[metric], {name: per[name] for name in also})
 
 
-def paired(result: Result, reference: Result | None) -> Interval | None:
-    """``result``'s metric minus the reference's over the answers both have, with its bootstrap interval."""
+def paired(values: dict[str, float], reference: dict[str, float] | None) -> Interval | None:
+    """Per-answer ``values`` minus the reference's over the answers both have, with its bootstrap interval."""
     if reference is None:
         return None
-    ids = sorted(set(result.values) & set(reference.values))
-    return paired_difference([result.values[i] for i in ids], [reference.values[i] for i in ids]) if ids else None
+    ids = sorted(set(values) & set(reference))
+    return paired_difference([values[i] for i in ids], [reference[i] for i in ids]) if ids else None
 
 
-def _interval(i: Interval | None, scale: float, signed: bool = False) -> str:
+def _interval(i: Interval | None, scale: float, signed: bool = False, digits: int = 1) -> str:
+    """``mean [low, high]`` times ``scale``, with ``digits`` decimals."""
     if i is None or i.n == 0:
         return ""
-    fmt = "+.1f" if signed else ".1f"
+    fmt = f"{'+' if signed else ''}.{digits}f"
     bounds = "" if i.n < 2 else f" [{i.low * scale:{fmt}}, {i.high * scale:{fmt}}]"
     return f"{i.mean * scale:{fmt}}{bounds}"
 
 
 def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
-    """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics)."""
-    metric, scale = str(exp.get("metric", "score")), float(exp.get("scale", 100))
+    """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics).
+
+    ``also: {name: {scale, digits}}`` adds two columns per extra per-answer metric (its mean, and its paired
+    difference against the full cache), e.g. agreement with the full cache's answer and the NLL of that
+    answer, which separate methods where the score sits at chance (defaults: scale 1, 3 decimals).
+    """
+    metric = str(exp.get("metric", "score"))
+    shown = {metric: (float(exp.get("scale", 100)), int(exp.get("digits", 1)))}  # name: (scale, decimals)
+    for name, spec in (exp.get("also") or {}).items():
+        shown[str(name)] = (float((spec or {}).get("scale", 1)), int((spec or {}).get("digits", 3)))
+    also = [name for name in shown if name != metric]
+    scale, digits = shown[metric]
     key = x_axis(exp)
     header = ["model", "method", "budget", "answers", key.replace("_", " "), f"{metric} [95% CI]", "vs full [95% CI]"]
+    header += [c for name in also for c in (f"{name} [95% CI]", f"{name} vs full")]
     rows, points = [], []
     references: dict[str, Result | None] = {}
     for cell in cells(exp, variant):
-        result = read(cell, root, metric)
+        result = read(cell, root, metric, tuple(also))
         if cell.reference:
             references[cell.model] = result
         if result is None:
-            rows.append([cell.model, cell.row, cell.point, NOT_RUN, NOT_RUN, NOT_RUN, NOT_RUN])
+            rows.append([cell.model, cell.row, cell.point, *[NOT_RUN] * (len(header) - 3)])
             continue
+        reference = references.get(cell.model)
         mean = bootstrap_mean(list(result.values.values()))
-        diff = None if cell.reference else paired(result, references.get(cell.model))
         calibration = (result.metrics.get("calibration") or {}).get("threshold")
         budget = cell.point + (f" (tau={calibration:.2f})" if calibration is not None else "")
-        versus = "" if cell.reference else _interval(diff, scale, True) or "no full run"
-        rows.append(
-            [cell.model, cell.row, budget, str(mean.n), f"{result.ratio(key):.3f}", _interval(mean, scale), versus]
-        )
+        row = [cell.model, cell.row, budget, str(mean.n), f"{result.ratio(key):.3f}"]
+        row.append(_interval(mean, scale, False, digits))
+        for name, (factor, places) in shown.items():
+            values = result.values if name == metric else result.also[name]
+            if name != metric:
+                row.append(_interval(bootstrap_mean(list(values.values())), factor, False, places))
+            if cell.reference:
+                row.append("")
+            elif reference is None:
+                row.append("no full run")
+            else:
+                theirs = reference.values if name == metric else reference.also[name]
+                row.append(_interval(paired(values, theirs), factor, True, places) or "no full run")
+        rows.append(row)
         points.append({"model": cell.model, "row": cell.row, "x": result.ratio(key), "mean": mean.scaled(scale),
                        "reference": cell.reference})  # fmt: skip
     return header, rows, points

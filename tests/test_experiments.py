@@ -177,3 +177,31 @@ def test_two_entries_of_one_model_are_paired_with_their_own_full_cache(tmp_path:
     snapkv = [r for r in rows if r[1] == "snapkv" and r[3] != "not run"]
     got = [(r[0], r[5].split()[0], r[6].split()[0]) for r in snapkv]  # mean, and the difference against full
     assert got == [("smollm2_135m 2k", "100.0", "+0.0"), ("smollm2_135m 4k", "0.0", "+0.0")]  # not +/-100
+
+
+def test_extra_metrics_get_their_mean_and_paired_difference_against_the_full_cache(tmp_path: Path) -> None:
+    rows = [{"method": "full", "reference": True}, {"method": "am_omp", "sweep": {"method.keep_ratio": [0.1]}}]
+    variant = {"models": ["smollm2_135m"], "shared": ["benchmark=quality"], "rows": rows}
+    spec = {"title": "t", "paper": "p", "variants": {"twin": variant, "hub": variant},
+            "also": {"agrees_with_full": {"scale": 100, "digits": 1}, "full_answer_nll": None}}  # fmt: skip
+    (tmp_path / "also.yaml").write_text(yaml.safe_dump(spec))
+    exp = experiments.load(str(tmp_path / "also.yaml"))
+    planted = {"full": ([1.0] * 4, [0.2, 0.4, 0.1, 0.3]), "am_omp": ([1.0, 0.0, 1.0, 0.0], [0.5, 0.9, 0.2, 0.8])}
+    for cell in experiments.cells(exp, "twin"):
+        folder = cell.folder(tmp_path / "out")
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"overall": {"prune_ratio": 0.9}}))
+        agree, nll = planted[cell.row]
+        lines = [{"id": str(i), "score": 0.25, "agrees_with_full": a, "full_answer_nll": n}
+                 for i, (a, n) in enumerate(zip(agree, nll, strict=True))]  # fmt: skip
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (folder / "DONE").touch()
+    header, table_rows, _ = experiments.table(exp, "twin", tmp_path / "out")
+    assert header[7:] == ["agrees_with_full [95% CI]", "agrees_with_full vs full", "full_answer_nll [95% CI]",
+                          "full_answer_nll vs full"]  # fmt: skip
+    full, am = table_rows
+    agree_ci = bootstrap_mean(planted["am_omp"][0]).scaled(100)
+    nll_diff = paired_difference(planted["am_omp"][1], planted["full"][1])
+    assert am[7] == f"{agree_ci.mean:.1f} [{agree_ci.low:.1f}, {agree_ci.high:.1f}]" == "50.0 [0.0, 100.0]"
+    assert am[10] == f"{nll_diff.mean:+.3f} [{nll_diff.low:+.3f}, {nll_diff.high:+.3f}]"
+    assert am[10].startswith("+0.350") and full[8] == full[10] == ""  # the reference has no difference
