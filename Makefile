@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -63,6 +63,9 @@ train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + M
 
 surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the default extract (docs/surrogates.md, ~45 min)
 	$(PY) scripts/surrogate_study.py $(ARGS)
+
+surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min)
+	$(PY) scripts/surrogate_probe.py $(ARGS)
 
 evaluate: $(STAMP) ## one evaluate run: make evaluate ARGS="method=kvzap_mlp method.threshold=-4"
 	$(PY) -m kvresearch.stages.evaluate $(ARGS)
