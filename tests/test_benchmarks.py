@@ -11,7 +11,7 @@ import pytest
 from kvresearch.benchmarks import ruler
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.benchmarks.longbench import length_bucket, split_template
-from kvresearch.benchmarks.ruler_qa import documents_for, read_hotpotqa, read_squad
+from kvresearch.benchmarks.ruler_qa import documents_for, nth_fitting, read_hotpotqa, read_squad
 from kvresearch.errors import KVResearchError
 from kvresearch.prompts import build_prompt, template_tokens, truncate_middle
 from kvresearch.runs import PACKAGE_DIR
@@ -242,6 +242,25 @@ def test_ruler_qa_tasks_come_from_rulers_own_files(tiny) -> None:
         row = ruler.make_sample(task, tiny.tokenizer, 2048, seed=42, index=0)
         assert answer in row["answer"] and 0.85 * 2048 <= row["length"] <= 2048
         assert row["context"].startswith("Answer the question based on the given documents.")
+
+
+def test_nth_fitting_is_the_nth_index_that_fits_and_says_when_too_few_do() -> None:
+    fits = lambda j: j % 3 != 1  # 0, 2, 3, 5, 6, 8, ...
+    brute = [j for j in range(30) if fits(j)]
+    key = ("test", "qa_x", 123, "tok", 1)
+    assert [nth_fitting(n, fits, key, 30) for n in (4, 0, 7, 19)] == [brute[4], brute[0], brute[7], brute[19]]
+    with pytest.raises(KVResearchError, match="Only 20 of 30 RULER qa_x questions fit 123 tokens"):
+        nth_fitting(20, fits, key, 30)
+
+
+def test_a_hotpotqa_question_too_long_for_2k_is_passed_over_for_the_next_that_fits(tiny) -> None:
+    rows = [ruler.make_sample("qa_2", tiny.tokenizer, 2048, seed=42, index=i) for i in range(9)]
+    used = [r["question_index"] for r in rows]
+    assert used[:6] == [0, 1, 2, 3, 4, 5]  # every question fits: sample i asks question i
+    assert used[6] > 7 and used == sorted(set(used))  # questions 6 and 7 do not fit 2k; none is asked twice
+    assert all(r["length"] <= 2048 for r in rows)
+    at_4k = [ruler.make_sample("qa_2", tiny.tokenizer, 4096, seed=42, index=i)["question_index"] for i in (6, 7)]
+    assert at_4k == [6, 7]  # at 4k they fit, and the samples are those of before
 
 
 def test_plain_layout_keeps_the_start_token_a_tokenizer_adds_by_default(tiny) -> None:

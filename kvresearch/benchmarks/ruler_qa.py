@@ -8,7 +8,10 @@ distractors, unanswerable questions are skipped; a HotpotQA question keeps all i
 ``i`` asks question ``i``, its documents are padded with distractors up to the length and shuffled, each
 written "Document {i}:\n...". Differences from RULER: the number of documents is searched per sample
 (largest that fits, as for the other tasks) instead of in steps of 10, and each sample has its own
-random generator, seeded from (seed, task, index).
+random generator, seeded from (seed, task, index). A question whose gold documents alone do not fit the
+length (some HotpotQA questions below 4k tokens) is passed over: sample ``i`` asks the ``i``-th question
+that fits, recorded as ``question_index`` (RULER's own loop never ends on such a question, or keeps it over
+the length). Where every question fits, sample ``i`` asks question ``i`` as before.
 """
 
 from __future__ import annotations
@@ -99,10 +102,10 @@ def qa_row(
 ) -> dict[str, Any]:
     """One qa_1 / qa_2 row (kvpress's schema) whose tokens plus tokens to generate fit ``max_seq_length``."""
     qas, docs = qa_data(str(spec["dataset"]))
-    qa = qas[index % len(qas)]
     to_generate = int(kind["tokens_to_generate"])
+    budget = max_seq_length - to_generate
 
-    def build(n: int) -> tuple[dict[str, Any], int]:
+    def build(qa: dict[str, Any], n: int) -> tuple[dict[str, Any], int]:
         rng = random.Random(f"{seed}-{task}-{index}")
         picked = documents_for(qa, docs, n, rng)
         context = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(picked))
@@ -118,7 +121,42 @@ def qa_row(
         }
         return row, n_tokens
 
-    n = fitting(lambda k: build(k)[1], max_seq_length - to_generate, len(qa["context"]), len(docs))
-    row, n_tokens = build(n)
+    def gold_fits(j: int) -> bool:
+        qa = qas[j % len(qas)]
+        return build(qa, len(qa["context"]))[1] <= budget
+
+    j = nth_fitting(
+        index,
+        gold_fits,
+        (str(spec["dataset"]), task, max_seq_length, getattr(tokenizer, "name_or_path", ""), len(tokenizer)),
+        len(qas),
+    )
+    qa = qas[j % len(qas)]
+    n = fitting(lambda k: build(qa, k)[1], budget, len(qa["context"]), len(docs))
+    row, n_tokens = build(qa, n)
     row["length"] = n_tokens + to_generate
+    row["question_index"] = j % len(qas)
     return row
+
+
+_FITTING: dict[tuple[Any, ...], list[int]] = {}  # per (dataset, task, length, tokenizer): questions found to fit
+
+
+def nth_fitting(n: int, fits: Callable[[int], bool], key: tuple[Any, ...], total: int) -> int:
+    """The ``n``-th (0-based) question index ``j`` with ``fits(j)``, scanning 0, 1, ... (remembered per ``key``).
+
+    Raises:
+        KVResearchError: fewer than ``n + 1`` of the ``total`` questions fit.
+    """
+    found = _FITTING.setdefault(key, [])
+    j = found[-1] + 1 if found else 0
+    while len(found) <= n:
+        if j >= total:
+            raise KVResearchError(
+                f"Only {len(found)} of {total} RULER {key[1]} questions fit {key[2]} tokens with their gold "
+                "documents alone: raise benchmark.lengths or lower benchmark.samples_per_task."
+            )
+        if fits(j):
+            found.append(j)
+        j += 1
+    return found[n]
