@@ -112,12 +112,19 @@ def cells(exp: DictConfig, variant: str) -> list[Cell]:
     return out
 
 
-def select(found: list[Cell], rows: list[str] | None) -> list[Cell]:
+def select(found: list[Cell], rows: list[str] | None, models: list[str] | None = None) -> list[Cell]:
     """The cells of ``rows`` in that order, each model's full-cache row first; every cell for no ``rows``.
 
     An entry is a row's label (all its budget points) or ``label@point`` (one point, e.g.
     ``kvzap_mlp@calibrate_to=0.5``), so the key points of a long grid run first and the rest later.
+    ``models`` keeps only those model entries (their labels, e.g. ``smollm2_135m 2k``), in the config's order.
     """
+    if models:
+        labels = list(dict.fromkeys(c.model for c in found))
+        unknown = [m for m in models if m not in labels]
+        if unknown:
+            raise KVResearchError(f"no model {', '.join(unknown)} here; models: {', '.join(labels)}.")
+        found = [c for c in found if c.model in models]
     if not rows:
         return found
     known = {c.row for c in found} | {f"{c.row}@{c.point}" for c in found}
@@ -127,8 +134,8 @@ def select(found: list[Cell], rows: list[str] | None) -> list[Cell]:
         raise KVResearchError(f"no row {', '.join(unknown)} here; rows: {labels} (label, or label@point).")
     rank = lambda c: min(i for i, r in enumerate(rows) if r in (c.row, f"{c.row}@{c.point}"))
     chosen = [c for c in found if c.reference or c.row in rows or f"{c.row}@{c.point}" in rows]
-    models = list(dict.fromkeys(c.model for c in found))
-    return sorted(chosen, key=lambda c: (models.index(c.model), not c.reference, 0 if c.reference else rank(c)))
+    order = list(dict.fromkeys(c.model for c in found))
+    return sorted(chosen, key=lambda c: (order.index(c.model), not c.reference, 0 if c.reference else rank(c)))
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Run an experiment's missing cells, or rebuild its table and figure from the run folders (conf/experiment/).
 
     .venv/bin/python scripts/experiment.py list
-    .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--rows R,..] [--print]
+    .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--rows R,..] [--models M,..] [--print]
         [--launcher slurm] [-- ARGS]
     .venv/bin/python scripts/experiment.py table kvzap_ruler [--variant twin] [--out docs/results/experiments] [--wandb]
 
 ``run`` starts one stage job per cell that is not finished (the full-cache row first: the others take their
-full-cache answers from it; ``--rows`` picks rows or budget points, in the order given), each logged to W&B
-(offline by default; ``--no-wandb`` to skip) in the group ``<experiment>`` with the variant as a tag;
+full-cache answers from it; ``--rows`` picks rows or budget points, in the order given; ``--models`` model
+entries), each logged to W&B (offline by default; ``--no-wandb`` to skip) in the group ``<experiment>`` with
+the variant as a tag;
 ``--print`` only prints the commands (to hand to any scheduler);
 ``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/). Extra
 arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
@@ -41,7 +42,8 @@ def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace) -> 
 def run(args: argparse.Namespace) -> None:
     exp = experiments.load(args.name)
     root = outputs_root()
-    chosen = experiments.select(experiments.cells(exp, args.variant), args.rows.split(",") if args.rows else None)
+    split = lambda arg: arg.split(",") if arg else None
+    chosen = experiments.select(experiments.cells(exp, args.variant), split(args.rows), split(args.models))
     todo = [c for c in chosen if not is_done(c.folder(root))]
     print(f"{args.name} ({args.variant}): {len(todo)} cells to run", flush=True)
     failed = []
@@ -139,6 +141,7 @@ def main() -> None:
     runner.add_argument("--print", action="store_true", help="print the commands of the missing cells only")
     only = "only these rows, in this order (label or label@point, comma-separated; the full cache runs first)"
     runner.add_argument("--rows", default=None, help=f"{only}, e.g. kvzap_mlp@calibrate_to=0.5,kvzip_plus")
+    runner.add_argument("--models", default=None, help="only these model entries (labels, comma-separated)")
     runner.add_argument("--launcher", default=None, help="hydra/launcher for every cell (slurm, local, joblib)")
     runner.add_argument("extra", nargs="*", help="after --: overrides for every job")
     tables.add_argument("--root", default=str(outputs_root()))

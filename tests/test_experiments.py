@@ -155,6 +155,11 @@ def test_rows_pick_cells_in_the_order_given_with_each_full_cache_row_first() -> 
     assert experiments.select(cells, None) == cells
     with pytest.raises(KVResearchError, match="rows: full, kvzap_mlp"):
         experiments.select(cells, ["kvzap"])
+    only_2k = experiments.select(cells, ["kvzap_mlp@calibrate_to=0.5"], ["smollm2_135m 2k"])
+    assert [(c.model, c.row, c.point) for c in only_2k] == [
+        ("smollm2_135m 2k", "full", ""), ("smollm2_135m 2k", "kvzap_mlp", "calibrate_to=0.5")]  # fmt: skip
+    with pytest.raises(KVResearchError, match="models: smollm2_135m 2k, smollm2_135m 4k"):
+        experiments.select(cells, None, ["smollm2_135m"])
 
 
 def test_two_entries_of_one_model_are_paired_with_their_own_full_cache(tmp_path: Path) -> None:
