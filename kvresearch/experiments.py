@@ -120,10 +120,10 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
     ``models`` keeps only those model entries (their labels, e.g. ``smollm2_135m 2k``), in the config's order.
     """
     if models:
-        labels = list(dict.fromkeys(c.model for c in found))
-        unknown = [m for m in models if m not in labels]
+        entries = list(dict.fromkeys(c.model for c in found))
+        unknown = [m for m in models if m not in entries]
         if unknown:
-            raise KVResearchError(f"no model {', '.join(unknown)} here; models: {', '.join(labels)}.")
+            raise KVResearchError(f"no model {', '.join(unknown)} here; models: {', '.join(entries)}.")
         found = [c for c in found if c.model in models]
     if not rows:
         return found
@@ -228,8 +228,9 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
                 theirs = reference.values if name == metric else reference.also[name]
                 row.append(_interval(paired(values, theirs), factor, True, places) or "no full run")
         rows.append(row)
+        extra = {name: bootstrap_mean(list(result.also[name].values())).scaled(shown[name][0]) for name in also}
         points.append({"model": cell.model, "row": cell.row, "x": result.ratio(key), "mean": mean.scaled(scale),
-                       "reference": cell.reference})  # fmt: skip
+                       "also": extra, "reference": cell.reference})  # fmt: skip
     return header, rows, points
 
 

@@ -57,43 +57,59 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"{len(failed)} cells failed ({listing}); fix and re-run: finished cells are skipped.")
 
 
+def fit_panel(ax: Any, mine: list[dict[str, Any]], _: str | None) -> None:
+    """Held-out R^2 per layer, one line per surrogate."""
+    for p in mine:
+        ax.plot(range(len(p["layers"])), p["layers"], marker="o", label=p["row"])
+
+
+def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None) -> None:
+    """One metric (the main one, or the extra metric ``also``) against the measured prune ratio, per row."""
+    value = (lambda p: p["mean"]) if also is None else (lambda p: p["also"][also])
+    xs_all = [p["x"] for p in mine if not p.get("reference")]
+    step = 0.01 * max(max(xs_all, default=0) - min(xs_all, default=0), 0.1)  # overlapping points stay visible
+    for i, row in enumerate(dict.fromkeys(p["row"] for p in mine)):
+        got = sorted((p for p in mine if p["row"] == row), key=lambda p: p["x"])
+        if got[0].get("reference"):  # the full cache: a line with its interval as a band
+            m = value(got[0])
+            ax.axhline(m.mean, color="black", linestyle="--", linewidth=1, label=row)
+            if m.n > 1:
+                ax.axhspan(m.low, m.high, color="grey", alpha=0.15)
+            continue
+        ys = [value(p) for p in got]
+        err = [[m.mean - m.low for m in ys], [m.high - m.mean for m in ys]]
+        xs = [p["x"] + step * (i - 2) for p in got]
+        ax.errorbar(xs, [m.mean for m in ys], yerr=err if ys[0].n > 1 else None, marker="o", capsize=3, label=row)
+
+
 def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> None:
-    """The curve (metric against measured prune ratio, 95% intervals) or the per-layer fit, as PNG and PDF."""
+    """The curve (metric against measured prune ratio, 95% intervals; one more row of panels per ``also``
+    metric) or the per-layer fit, as PNG and PDF."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fit = exp.get("kind", "curve") == "fit"
+    metric = str(exp.get("metric", "score"))
+    shown = [metric] if fit else [metric, *(exp.get("also") or {})]
     models = sorted({p["model"] for p in points}) or ["(no finished run)"]
-    fig, axes = plt.subplots(1, len(models), figsize=(max(8, 6 * len(models)), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        mine = [p for p in points if p["model"] == model]
-        for i, row in enumerate(dict.fromkeys(p["row"] for p in mine)):
-            got = [p for p in mine if p["row"] == row]
-            if exp.get("kind", "curve") == "fit":
-                ax.plot(range(len(got[0]["layers"])), got[0]["layers"], marker="o", label=row)
-                continue
-            if got[0].get("reference"):  # the full cache: a line with its interval as a band
-                m = got[0]["mean"]
-                ax.axhline(m.mean, color="black", linestyle="--", linewidth=1, label=row)
-                if m.n > 1:
-                    ax.axhspan(m.low, m.high, color="grey", alpha=0.15)
-                continue
-            got.sort(key=lambda p: p["x"])
-            ys = [p["mean"].mean for p in got]
-            err = [[p["mean"].mean - p["mean"].low for p in got], [p["mean"].high - p["mean"].mean for p in got]]
-            xs = [p["x"] + 0.006 * (i - 2) for p in got]  # a small offset per row: overlapping points stay visible
-            ax.errorbar(xs, ys, yerr=err if got[0]["mean"].n > 1 else None, marker="o", capsize=3, label=row)
-        if exp.get("kind", "curve") == "fit":
-            ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
-        else:
-            when = "at the end of each generation" if experiments.x_axis(exp) == "decode_prune_ratio" else "at prefill"
-            xlabel = f"prune ratio (measured share of KV entries evicted {when})"
-            ax.set(xlabel=xlabel, ylabel=str(exp.get("metric", "score")))
-        ax.set_title(model, fontsize=9)
-        ax.grid(alpha=0.3)
-        if mine:
-            ax.legend(fontsize=7)
+    size = (max(8, 6 * len(models)), 4.5 * len(shown))
+    decoding = experiments.x_axis(exp) == "decode_prune_ratio"
+    when = "at the end of each generation" if decoding else "at prefill"
+    fig, axes = plt.subplots(len(shown), len(models), figsize=size, squeeze=False)
+    for panels, name in zip(axes, shown, strict=True):
+        for ax, model in zip(panels, models, strict=True):
+            mine = [p for p in points if p["model"] == model]
+            (fit_panel if fit else curve_panel)(ax, mine, name if name != metric else None)
+            if fit:
+                ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
+            else:
+                ax.set(xlabel=f"prune ratio (measured share of KV entries evicted {when})", ylabel=name)
+            ax.set_title(model, fontsize=9)
+            ax.grid(alpha=0.3)
+            if mine:
+                ax.legend(fontsize=7)
     fig.suptitle(f"{exp.title} ({variant})", fontsize=10)
     fig.tight_layout()
     for suffix in (".png", ".pdf"):

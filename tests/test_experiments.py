@@ -201,7 +201,7 @@ def test_extra_metrics_get_their_mean_and_paired_difference_against_the_full_cac
                  for i, (a, n) in enumerate(zip(agree, nll, strict=True))]  # fmt: skip
         (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         (folder / "DONE").touch()
-    header, table_rows, _ = experiments.table(exp, "twin", tmp_path / "out")
+    header, table_rows, points = experiments.table(exp, "twin", tmp_path / "out")
     assert header[7:] == ["agrees_with_full [95% CI]", "agrees_with_full vs full", "full_answer_nll [95% CI]",
                           "full_answer_nll vs full"]  # fmt: skip
     full, am = table_rows
@@ -210,3 +210,5 @@ def test_extra_metrics_get_their_mean_and_paired_difference_against_the_full_cac
     assert am[7] == f"{agree_ci.mean:.1f} [{agree_ci.low:.1f}, {agree_ci.high:.1f}]" == "50.0 [0.0, 100.0]"
     assert am[10] == f"{nll_diff.mean:+.3f} [{nll_diff.low:+.3f}, {nll_diff.high:+.3f}]"
     assert am[10].startswith("+0.350") and full[8] == full[10] == ""  # the reference has no difference
+    assert points[1]["also"]["agrees_with_full"] == agree_ci  # the figure's extra panels plot the same numbers
+    assert points[1]["also"]["full_answer_nll"].mean == pytest.approx(0.6)
