@@ -216,10 +216,11 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
         budget = cell.point + (f" (tau={calibration:.2f})" if calibration is not None else "")
         row = [cell.model, cell.row, budget, str(mean.n), f"{result.ratio(key):.3f}"]
         row.append(_interval(mean, scale, False, digits))
+        extra = {name: bootstrap_mean(list(result.also[name].values())) for name in also}
         for name, (factor, places) in shown.items():
             values = result.values if name == metric else result.also[name]
             if name != metric:
-                row.append(_interval(bootstrap_mean(list(values.values())), factor, False, places))
+                row.append(_interval(extra[name], factor, False, places))
             if cell.reference:
                 row.append("")
             elif reference is None:
@@ -228,7 +229,7 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
                 theirs = reference.values if name == metric else reference.also[name]
                 row.append(_interval(paired(values, theirs), factor, True, places) or "no full run")
         rows.append(row)
-        extra = {name: bootstrap_mean(list(result.also[name].values())).scaled(shown[name][0]) for name in also}
+        extra = {name: i.scaled(shown[name][0]) for name, i in extra.items()}
         points.append({"model": cell.model, "row": cell.row, "x": result.ratio(key), "mean": mean.scaled(scale),
                        "also": extra, "reference": cell.reference})  # fmt: skip
     return header, rows, points
