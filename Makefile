@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -35,7 +35,7 @@ lock: $(STAMP) ## rewrite requirements/lock.txt from the current venv
 	  | grep -viFf <(sed -e '/^#/d' -e 's/==.*//' requirements/nodeps.txt) > requirements/lock.txt.new
 	mv requirements/lock.txt.new requirements/lock.txt
 
-lint: $(STAMP) ## ruff lint + format check, mypy on the package
+lint: $(STAMP) ## ruff lint + format check, mypy on the package and the scripts
 	$(VENV)/bin/ruff check kvresearch tests scripts
 	$(VENV)/bin/ruff format --check kvresearch tests scripts
 	$(VENV)/bin/mypy
@@ -172,6 +172,9 @@ bench-kvzap: $(STAMP) ## KVzap vs full cache vs kvpress: overhead, KV bytes, dec
 
 bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per head, held-out errors, 10x answers (outputs/bench/am.json)
 	$(PY) scripts/bench_am.py $(ARGS)
+
+bench-windows: $(STAMP) ## Gemma-3-270m's sliding layers: KV bytes before/after the out-of-window drop vs transformers' cache (outputs/bench/windows.json)
+	$(PY) scripts/bench_windows.py $(ARGS)
 
 budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json (method.budgets=<that file>)
 	$(PY) -m kvresearch.stages.budgets $(ARGS)

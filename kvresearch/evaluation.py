@@ -167,6 +167,7 @@ def evaluate(
             if cache is None or settings.query_aware:
                 start = time.perf_counter()
                 cache = method.compress(session, prompt)
+                cache.compact()  # as it is held: evicted entries gone, and out-of-window ones in sliding layers
                 compress_s = time.perf_counter() - start
                 full.clear()
 

@@ -141,9 +141,9 @@ def solver_rows(
             }
             for kind in held:
                 for metric in ("output_rel_l2", "output_rel_l2_query_mean", "mass_rel", "mass_rel_pooled"):
-                    values = [r[f"{kind}_{metric}"] for r in rows]
-                    summary[name][ratio][f"{kind}_{metric}_mean"] = statistics.fmean(values)
-                    summary[name][ratio][f"{kind}_{metric}_median"] = statistics.median(values)
+                    column = [r[f"{kind}_{metric}"] for r in rows]
+                    summary[name][ratio][f"{kind}_{metric}_mean"] = statistics.fmean(column)
+                    summary[name][ratio][f"{kind}_{metric}_median"] = statistics.median(column)
     queries = {kind: {"per_kv_head": min(args.heldout, q[0].shape[1] * group)} for kind, q in held.items()}
     return {"summary": summary, "per_head": results, "heldout": queries}
 

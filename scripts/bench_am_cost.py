@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvresearch.data.packaged import paul_graham_essays
+from kvresearch.data.packaged import essays_cut
 from kvresearch.methods.attention_matching import AttentionMatching
 from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.prompts import build_prompt
@@ -34,14 +33,6 @@ def variant(name: str, keep: float, overrides: list[str]) -> AttentionMatching:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("evaluate", overrides=[f"method={name}", f"method.keep_ratio={keep}", *overrides])
     return build(cfg.method)
-
-
-def essay(tokenizer: Any, tokens: int) -> str:
-    """The packaged essays joined, cut to ``tokens`` tokens."""
-    ids = tokenizer("\n\n".join(paul_graham_essays()), add_special_tokens=False).input_ids
-    if len(ids) < tokens:
-        raise SystemExit(f"the packaged essays hold {len(ids)} tokens, fewer than --tokens {tokens}")
-    return tokenizer.decode(ids[:tokens])
 
 
 def main() -> None:
@@ -59,7 +50,7 @@ def main() -> None:
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     rows = []
     for tokens in args.tokens:
-        prompt = build_prompt(loaded.tokenizer, essay(loaded.tokenizer, tokens), "")
+        prompt = build_prompt(loaded.tokenizer, essays_cut(loaded.tokenizer, tokens), "")
         for name in args.variants:
             method = variant(name, args.keep, [f"method.{o}" for o in args.override])
             start = time.perf_counter()

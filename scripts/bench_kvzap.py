@@ -115,9 +115,10 @@ def main() -> None:
             timed = Timed(method, args.chunk)
             cache = timed.compress(session, prompt)
             stats = cache.stats()
-            answer_ids, _ = session.answer(cache, prompt.question_ids, sample["max_new_tokens"])
+            answer_ids = session.generate(cache, prompt.question_ids, sample["max_new_tokens"]).tokens
             # decode speed: a fixed number of tokens, no early stop
-            decode_ids, decode_s = session.answer(cache, prompt.question_ids, args.new_tokens, stop=False)
+            timed_decode = session.generate(cache, prompt.question_ids, args.new_tokens, eos=False)
+            decode_ids, decode_s = timed_decode.tokens, timed_decode.seconds
             text = loaded.tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
             entry = cache.ragged[0].entry_bytes()
             rows.append(

@@ -104,6 +104,31 @@ def test_ragged_cache_without_eviction_equals_full_attention(family) -> None:
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
+def test_sliding_layers_drop_out_of_window_entries_and_attention_is_unchanged() -> None:
+    """Tiny Gemma-3 (window 8): prefill 23, compact (the sliding layers keep 16..22), 70 greedy steps (they
+    grow past the slack and drop again): the logits equal those of transformers' own cache."""
+    model = tiny_family("gemma3")
+    ids = torch.randint(0, 97, (1, 23), generator=torch.Generator().manual_seed(0))
+    reference = run_steps(model, DynamicCache(), ids, steps=70)
+    adapter = ModelAdapter(model)
+    windows = [layer.sliding_window for layer in adapter.layers]
+    with ragged_attention_enabled(model):
+        cache = RaggedCache(adapter.num_layers, windows)
+        logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]]
+        cache.compact()
+        assert [cache.ragged[i].head_positions(1).tolist() for i in range(3)] == [list(range(16, 23))] * 2 + [
+            list(range(23))
+        ]
+        for _ in range(70):
+            token = logits[-1].argmax().view(1, 1)
+            logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1])
+    torch.testing.assert_close(torch.stack(logits), reference, rtol=1e-6, atol=1e-6)
+    sliding = cache.ragged[0]
+    assert int(sliding.lengths.max()) < 93 and int(sliding.head_positions(0).min()) > 93 - 8 - 64 - 1
+    assert cache.stats()["prune_ratio"] == 0.0  # the window is the model's own, not an eviction
+    assert cache.kv_bytes()["kept"] < cache.kv_bytes()["dense"]
+
+
 def test_eviction_equals_attention_restricted_to_kept_entries_and_positions_continue() -> None:
     model = tiny_family("llama")
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
@@ -165,6 +190,34 @@ def test_append_grows_and_compact_shrinks_storage() -> None:
     assert layer.lengths.tolist() == [10, 40] and layer.k.shape[0] == 50
     assert layer.head_positions(0).tolist() == list(range(30, 40))
     assert layer.kv_bytes()["kept"] == 50 * layer.entry_bytes()
+
+
+def test_sliding_layer_drops_what_no_later_query_sees_and_counts_it_kept_not_stored() -> None:
+    layer = RaggedLayer(window=8)
+    k = torch.randn(1, 2, 20, 4)
+    layer.update(k, k, {"cache_position": torch.arange(20)})
+    layer.evict(0, torch.tensor([3, 15]))  # one evicted entry outside the window, one inside
+    layer.evict(1, torch.tensor([16]))
+    layer.compact()
+    # The next query sits at 20 and sees 13..20: positions 13..19 stay, less the evicted ones.
+    assert layer.head_positions(0).tolist() == [13, 14, 16, 17, 18, 19]
+    assert layer.head_positions(1).tolist() == [13, 14, 15, 17, 18, 19]
+    assert layer.stored_per_head().tolist() == [6, 6]
+    assert layer.kept_per_head().tolist() == [18, 19]  # 20 seen, less what each head's method evicted
+    assert layer.kv_bytes()["kept"] == 12 * layer.entry_bytes()
+    for step in range(20, 120):  # decoding: the layer never holds more than the window plus the growth slack
+        layer.update(k[:, :, :1], k[:, :, :1], {"cache_position": torch.tensor([step])})
+        assert int(layer.lengths.max()) <= 7 + 64 + 1
+        assert set(range(max(step - 6, 17), step + 1)) <= set(layer.head_positions(1).tolist())  # 16 was evicted
+    assert layer.kept_per_head().tolist() == [118, 119]
+
+
+def test_a_global_layer_keeps_everything_it_was_not_told_to_evict() -> None:
+    layer = RaggedLayer()
+    k = torch.randn(1, 2, 20, 4)
+    layer.update(k, k, {"cache_position": torch.arange(20)})
+    layer.compact()
+    assert layer.head_positions(0).tolist() == list(range(20)) and layer.hidden.tolist() == [0, 0]
 
 
 def test_batch_larger_than_one_is_refused() -> None:

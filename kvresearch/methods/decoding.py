@@ -68,7 +68,7 @@ def remember_prompt(cache: RaggedCache, prompt: Prompt) -> None:
 
 
 def _largest_head(cache: RaggedCache) -> int:
-    return max(int(layer.kept_per_head().max()) for layer in cache.ragged if layer.is_initialized)
+    return max(int(layer.stored_per_head().max()) for layer in cache.ragged if layer.is_initialized)
 
 
 @torch.no_grad()

@@ -100,7 +100,7 @@ class ThresholdPruner:
     def _fit_budget(self, layer: RaggedLayer, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Evict each head's lowest-scored entries outside the window until it holds ``max_entries``."""
         assert self.max_entries is not None
-        for h, excess in enumerate((layer.kept_per_head() - self.max_entries).tolist()):
+        for h, excess in enumerate((layer.stored_per_head() - self.max_entries).tolist()):
             if excess > 0:
                 pos, sc = kept[h]
                 order = torch.argsort(sc, stable=True)

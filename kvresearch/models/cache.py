@@ -7,6 +7,13 @@ masked (bias = -inf) and physically removed by :meth:`RaggedLayer.compact`, whic
 buffers at the size of what is kept, so memory falls. The cache reports the original number of tokens
 as its sequence length, so the rotary positions of new tokens continue from the original length.
 
+A sliding-window layer (window ``W``) also drops the entries no later query can see: new tokens come at
+positions ``>= seen``, and a query at ``p`` sees ``pos`` only if ``p - pos < W``, so an entry at
+``pos <= seen - W`` is dead weight. They go at :meth:`RaggedLayer.compact` and whenever a head would
+have to grow, so such a layer holds at most ``W - 1`` old entries plus the growth slack, whatever the
+context length. They still count as kept in the prune ratio (the method did not evict them; it is the
+model's own window that hides them), and not in the kept bytes (they are no longer stored).
+
 Attention over it runs through the ``kvr_ragged`` attention implementation (the torch reference in
 ``ops/attention.py`` on CPU, the Triton decode kernel on CUDA), which :func:`ragged_attention_enabled`
 registers with transformers (an explicit, idempotent call; importing this module changes nothing) and
@@ -60,6 +67,7 @@ class RaggedLayer(CacheLayerMixin):
         self.lengths = torch.zeros(kv_heads, dtype=torch.long)
         self.caps = torch.zeros(kv_heads, dtype=torch.long)
         self.dead = torch.zeros(kv_heads, dtype=torch.long)
+        self.hidden = torch.zeros(kv_heads, dtype=torch.long)  # kept entries dropped as out of the window
         self.seen = 0  # tokens ever appended: the sequence length the model sees
         self.new_positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -102,7 +110,13 @@ class RaggedLayer(CacheLayerMixin):
         n_new = k.shape[1]
         need = self.lengths + n_new
         if bool((need > self.caps).any()):  # grow by a quarter (at least 64 rows): <= 25% slack
-            self._relayout(torch.maximum(self.caps + torch.clamp(self.caps // 4, min=64), need), None)
+            keep = self._reachable(int(positions.min()))
+            if keep is None:
+                self._relayout(torch.maximum(self.caps + torch.clamp(self.caps // 4, min=64), need), None)
+            else:  # first drop what the window hides from the new tokens, then size after what is left
+                self._count_hidden(keep)
+                left = torch.tensor([len(i) for i in keep])
+                self._relayout(torch.maximum(left + torch.clamp(left // 4, min=64), left + n_new), keep)
         rows = (self.starts + self.lengths)[:, None] + torch.arange(n_new)  # (Hkv, T)
         rows = rows.reshape(-1).to(self.device)
         self.k[rows] = k.reshape(-1, k.shape[-1]).to(self.dtype)
@@ -153,10 +167,33 @@ class RaggedLayer(CacheLayerMixin):
         return n
 
     def compact(self, slack: int = 0) -> None:
-        """Physically remove masked entries: buffers shrink to what is kept (+ ``slack`` rows per head)."""
+        """Remove masked entries, and in a sliding layer those no later query sees: buffers shrink (+ ``slack``)."""
+        reachable = self._reachable(self.seen)
         keep = [torch.nonzero(self.alive(h)).view(-1) for h in range(len(self.caps))]
+        if reachable is not None:
+            self._count_hidden(reachable)
+            keep = [k[torch.isin(k, r)] for k, r in zip(keep, reachable, strict=True)]
         self._relayout(torch.tensor([len(k) + slack for k in keep]), keep)
         self.dead.zero_()
+
+    def _reachable(self, first_query: int) -> list[torch.Tensor] | None:
+        """Per head, indices of the entries a query at ``first_query`` or later can see (None: all of them)."""
+        if self.window is None:
+            return None
+        visible = [self.head_positions(h) > first_query - self.window for h in range(len(self.caps))]
+        if all(bool(v.all()) for v in visible):
+            return None
+        return [torch.nonzero(v).view(-1) for v in visible]
+
+    def _count_hidden(self, reachable: Sequence[torch.Tensor]) -> None:
+        """Before the entries outside ``reachable[h]`` go: count the live ones as hidden, the dead ones off."""
+        for h, indices in enumerate(reachable):
+            gone = torch.ones(int(self.lengths[h]), dtype=torch.bool, device=self.device)
+            gone[indices.to(self.device)] = False
+            alive = self.alive(h)
+            self.hidden[h] += int((gone & alive).sum())
+            self.dead[h] -= int((gone & ~alive).sum())
+        self.dead.clamp_(min=0)
 
     def keep_only(self, keep: Sequence[torch.Tensor]) -> None:
         """Keep, per head, the entries at indices ``keep[h]`` (into the head's current entries)."""
@@ -173,7 +210,11 @@ class RaggedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ accounting
     def kept_per_head(self) -> torch.Tensor:
-        """(kv_heads,) entries not evicted."""
+        """(kv_heads,) entries not evicted by a method: the stored ones and those the window hid."""
+        return self.stored_per_head() + self.hidden
+
+    def stored_per_head(self) -> torch.Tensor:
+        """(kv_heads,) entries held in memory and alive: what a memory budget counts."""
         return self.lengths - self.dead
 
     def entry_bytes(self) -> int:
@@ -185,7 +226,7 @@ class RaggedLayer(CacheLayerMixin):
         per_kv = (self.k.shape[1] + self.v.shape[1]) * self.k.element_size()
         return {
             "dense": self.seen * len(self.caps) * per_kv,
-            "kept": int(self.kept_per_head().sum()) * self.entry_bytes(),
+            "kept": int(self.stored_per_head().sum()) * self.entry_bytes(),
             "allocated": int(self.caps.sum()) * self.entry_bytes(),
         }
 
