@@ -63,11 +63,17 @@ def fit_panel(ax: Any, mine: list[dict[str, Any]], _: str | None) -> None:
         ax.plot(range(len(p["layers"])), p["layers"], marker="o", label=p["row"])
 
 
-def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None) -> None:
-    """One metric (the main one, or the extra metric ``also``) against the measured prune ratio, per row."""
+def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None) -> float | None:
+    """One metric (the main one, or the extra metric ``also``) against the measured prune ratio, per row.
+
+    When every compressed point sits at one ratio (an ablation table), the rows go side by side on a
+    categorical axis instead; returns that shared ratio then (None for a curve).
+    """
     value = (lambda p: p["mean"]) if also is None else (lambda p: p["also"][also])
     xs_all = [p["x"] for p in mine if not p.get("reference")]
+    single = bool(xs_all) and max(xs_all) - min(xs_all) < 0.005
     step = 0.01 * max(max(xs_all, default=0) - min(xs_all, default=0), 0.1)  # overlapping points stay visible
+    names: list[str] = []
     for i, row in enumerate(dict.fromkeys(p["row"] for p in mine)):
         got = sorted((p for p in mine if p["row"] == row), key=lambda p: p["x"])
         if got[0].get("reference"):  # the full cache: a line with its interval as a band
@@ -78,8 +84,14 @@ def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None) -> None:
             continue
         ys = [value(p) for p in got]
         err = [[m.mean - m.low for m in ys], [m.high - m.mean for m in ys]]
-        xs = [p["x"] + step * (i - 2) for p in got]
-        ax.errorbar(xs, [m.mean for m in ys], yerr=err if ys[0].n > 1 else None, marker="o", capsize=3, label=row)
+        xs = [len(names)] * len(got) if single else [p["x"] + step * (i - 2) for p in got]
+        names.append(row)
+        label = None if single else row  # side by side, the tick labels name the rows
+        ax.errorbar(xs, [m.mean for m in ys], yerr=err if ys[0].n > 1 else None, marker="o", capsize=3, label=label)
+    if not single:
+        return None
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    return sum(xs_all) / len(xs_all)
 
 
 def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> None:
@@ -101,9 +113,12 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
     for panels, name in zip(axes, shown, strict=True):
         for ax, model in zip(panels, models, strict=True):
             mine = [p for p in points if p["model"] == model]
-            (fit_panel if fit else curve_panel)(ax, mine, name if name != metric else None)
+            ratio = None
             if fit:
+                fit_panel(ax, mine, None)
                 ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
+            elif (ratio := curve_panel(ax, mine, name if name != metric else None)) is not None:
+                ax.set(xlabel=f"method, all at a measured prune ratio of {ratio:.3f} ({when})", ylabel=name)
             else:
                 ax.set(xlabel=f"prune ratio (measured share of KV entries evicted {when})", ylabel=name)
             ax.set_title(model, fontsize=9)

@@ -212,3 +212,27 @@ def test_extra_metrics_get_their_mean_and_paired_difference_against_the_full_cac
     assert am[10].startswith("+0.350") and full[8] == full[10] == ""  # the reference has no difference
     assert points[1]["also"]["agrees_with_full"] == agree_ci  # the figure's extra panels plot the same numbers
     assert points[1]["also"]["full_answer_nll"].mean == pytest.approx(0.6)
+
+
+def test_a_single_ratio_table_plots_its_rows_side_by_side_and_a_curve_against_the_ratio() -> None:
+    import importlib.util
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = importlib.util.spec_from_file_location("experiment_cli", CONF_DIR.parent / "scripts" / "experiment.py")
+    assert spec is not None and spec.loader is not None
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    m = bootstrap_mean([0.0, 1.0, 1.0])
+    full = {"row": "full", "x": 0.0, "mean": m, "reference": True}
+    ablation = [full, *({"row": r, "x": 0.937 + 0.001 * i, "mean": m} for i, r in enumerate(["a", "b", "c"]))]
+    curve = [full, *({"row": "a", "x": x, "mean": m} for x in (0.5, 0.75))]
+    fig, (left, right) = plt.subplots(1, 2)
+    assert cli.curve_panel(left, ablation, None) == pytest.approx(0.938)
+    assert [t.get_text() for t in left.get_xticklabels()] == ["a", "b", "c"]
+    assert cli.curve_panel(right, curve, None) is None  # two ratios: the x-axis is the prune ratio
+    assert right.get_xlim()[0] < 0.5 < 0.75 < right.get_xlim()[1]
+    plt.close(fig)
