@@ -3,8 +3,9 @@
 On a model with sliding-window layers (Gemma-3-270m by default: 15 of 18 layers with a 512-token window)
 and an essay context of ``--tokens`` tokens, each method in ``--methods`` (method configs, at ``--keep``;
 ``full`` takes none) compresses the context once. We record the KV bytes (keys and values only) the
-method's cache holds as it comes out (the whole context in the sliding layers, as before the drop),
-after ``compact()`` (which drops what no later query can see), and the prune ratio before and after
+method's cache holds as it comes out (the whole context in the sliding layers, as before the drop; the
+full cache compacts itself, so its two numbers agree), after ``compact()`` (which drops what no later
+query can see), and the prune ratio before and after
 (the drop must leave it unchanged). The reference, in the same run: transformers' own ``DynamicCache``
 built from the model config (its sliding layers keep the last ``window - 1`` tokens) after the same
 prefill, and its greedy answer against ours from the compacted full cache. Writes
