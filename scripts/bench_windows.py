@@ -42,11 +42,6 @@ def kv_only_bytes(cache: RaggedCache) -> int:
     return total
 
 
-def dense_bytes(cache: RaggedCache) -> int:
-    """Keys and values of the whole context in every layer."""
-    return int(cache.kv_bytes()["dense"])
-
-
 def transformers_bytes(session: Session, ids: torch.Tensor) -> tuple[int, DynamicCache]:
     """Bytes of keys and values transformers' own config-built cache holds after prefilling ``ids``."""
     cache = DynamicCache(config=session.model.config)
@@ -90,7 +85,7 @@ def main() -> None:
         start = time.perf_counter()
         cache.compact()
         compact_s = time.perf_counter() - start
-        after, dense = kv_only_bytes(cache), dense_bytes(cache)
+        after, dense = kv_only_bytes(cache), cache.kv_bytes()["dense"]  # dense: keys and values only
         row = {
             "method": name,
             "keep_ratio": None if name == "full" else args.keep,

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"{len(failed)} cells failed ({listing}); fix and re-run: finished cells are skipped.")
 
 
-def fit_panel(ax: Any, mine: list[dict[str, Any]], _: str | None) -> None:
+def fit_panel(ax: Any, mine: list[dict[str, Any]]) -> None:
     """Held-out R^2 per layer, one line per surrogate."""
     for p in mine:
         ax.plot(range(len(p["layers"])), p["layers"], marker="o", label=p["row"])
@@ -115,7 +115,7 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
             mine = [p for p in points if p["model"] == model]
             ratio = None
             if fit:
-                fit_panel(ax, mine, None)
+                fit_panel(ax, mine)
                 ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
             elif (ratio := curve_panel(ax, mine, name if name != metric else None)) is not None:
                 ax.set(xlabel=f"method, all at a measured prune ratio of {ratio:.3f} ({when})", ylabel=name)
