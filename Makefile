@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-curve surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -63,6 +63,14 @@ train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + M
 
 surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the default extract (docs/surrogates.md, ~45 min)
 	$(PY) scripts/surrogate_study.py $(ARGS)
+
+# Every document the packaged corpora give (2,114), for the learning curve up to all of them; its run folder.
+EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null
+EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null
+
+surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 (~4 h, 37 GB), fit each point (docs/surrogates.md)
+	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)
+	$(PY) scripts/surrogate_study.py --extract $(EXTRACT_ALL_RUN) --parts curve --name surrogate_curve_all $(ARGS)
 
 surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min)
 	$(PY) scripts/surrogate_probe.py $(ARGS)

@@ -1,23 +1,28 @@
 """The surrogate study behind the KVzap paper's R^2 figure, on one extract run: which data and shape generalise.
 
     .venv/bin/python scripts/surrogate_study.py [--extract extract/default] [--fp32-extract RUN]
-        [--parts loso,curve,mix,width,dtype] [--out docs/results]
+        [--parts loso,curve,mix,width,recipe,dtype] [--out docs/results] [--name surrogate_study]
 
 Every point is a real ``train_surrogate`` run (Lightning for the MLP, ridge for the linear map) on a *view* of
-the extract run: a folder ``outputs/extract/study-<tag>`` whose manifest marks which documents train and which
-test (the others are left out), its shards linked to the original ones. Held-out R^2 is measured on the test
-documents: pooled per layer (mean over layers of the R^2 of all heads' scores), per head (mean), Spearman.
+the extract run: a folder ``outputs/extract/study-<extract id>-<tag>`` whose manifest marks which documents
+train and which test (the others are left out), its shards linked to the original ones. Held-out R^2 is
+measured on the test documents: pooled per layer (mean over layers of the R^2 of all heads' scores), per head
+(mean), Spearman.
 
 * ``loso``: leave one source out: train on every document of the other sources, test on all of that source;
-* ``curve``: the learning curve with essays left out: train on the first N documents of the other sources;
+* ``curve``: the learning curve with essays left out: train on the first N documents of the other sources, N
+  doubling from 15 (:func:`curve_sizes`) up to all of them (that last point is the essays' ``loso`` point);
+  on the extract of every document (``make surrogate-curve``) it runs up to all the packaged corpora give;
 * ``mix``: the training mix at a fixed size (60 documents): essays, wiki, bible or a third of each, tested on
   the essays' test split (the essays' train split is in-domain only for the essays-only point);
 * ``width``: MLP hidden width (hidden/16 .. hidden/2) with essays left out;
+* ``recipe``: the MLP's optimisation with essays left out: more epochs (the reference's 15 epochs of 1.2M rows
+  are 35k steps; 15 of our 68k rows are 2k), a lower learning rate;
 * ``dtype``: stored hidden states in bf16 against fp32 (``--fp32-extract``: an extract run of the same corpus
   with ``extract.hidden_dtype=float32``), the same documents, essays left out.
 
-Writes ``<out>/surrogate_study.md`` (one row per point), ``<out>/surrogate_study_curve.png`` (R^2 against
-training rows) and ``outputs/surrogate_study.json``. Finished runs are skipped on a re-run.
+Writes ``<out>/<name>.md`` (one row per point), ``<out>/<name>_curve.png`` (R^2 against training rows) and
+``outputs/<name>.json``. Finished runs are skipped on a re-run.
 """
 
 from __future__ import annotations
@@ -33,14 +38,32 @@ from typing import Any
 
 from kvresearch.runs import outputs_root, read_json, repo_root, resolve_run, run_id, run_name, write_atomic, write_json
 
-CURVE = (15, 30, 60)  # documents of the other sources, then all of them
+CURVE_START = 15  # the learning curve's first point, in documents of the other sources
 WIDTHS = (36, 144, 288)  # hidden/16, hidden/4, hidden/2 for SmolLM2 (576); hidden/8 = 72 is the default
 MIX_SIZE = 60
+RECIPES = (("60 epochs", "surrogate.epochs=60"), ("lr 1e-3", "surrogate.lr=1e-3"))  # (label, override)
+
+
+def curve_sizes(n: int, start: int = CURVE_START) -> list[int]:
+    """Training-document counts of the learning curve: ``start`` doubling while 1.5x stays within ``n``, then ``n``.
+
+    >>> curve_sizes(129), curve_sizes(1980)
+    ([15, 30, 60, 129], [15, 30, 60, 120, 240, 480, 960, 1980])
+    """
+    sizes = []
+    while start * 1.5 <= n:
+        sizes.append(start)
+        start *= 2
+    return [*sizes, n]
 
 
 def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
-    """A finished extract run folder holding ``source``'s shards with ``train``/``test`` documents; its run id."""
-    folder = outputs_root() / "extract" / f"study-{tag}"
+    """A finished extract run folder holding ``source``'s shards with ``train``/``test`` documents; its run id.
+
+    The folder is named by the source run's id and the tag, so views of two extracts never share a folder (and
+    a train_surrogate run on one is never taken for a run on the other).
+    """
+    folder = outputs_root() / "extract" / f"study-{run_id(source)}-{tag}"
     manifest = read_json(source / "manifest.json", "Re-run that extract.")
     for doc in manifest["documents"]:
         done = doc["status"] == "done" and doc["doc_id"] in train | test
@@ -81,12 +104,14 @@ def points(source: Path, parts: list[str], fp32: Path | None) -> list[dict[str, 
     of = lambda src, split=None: {d["doc_id"] for d in docs if d["source"] == src and split in (None, d["split"])}
     sources = sorted({d["source"] for d in docs})
     others = lambda left: interleaved([d for d in docs if d["source"] != left])
-    out = []
+    out: list[dict[str, Any]] = []
 
     def point(part: str, tag: str, train_ids: set[str], test_ids: set[str], kinds=("linear", "mlp"), extra=(),
               run: Path = source, **setting: Any) -> None:  # fmt: skip
         extract_id = view(run, tag, train_ids, test_ids)
         for kind in kinds:
+            if any(r["tag"] == tag and r["kind"] == kind for r in out):  # the loso point is also the curve's end
+                continue
             m = train(extract_id, kind, extra)
             t = m["test"]
             r2_layer = sum(t["r2_per_layer"]) / len(t["r2_per_layer"])
@@ -100,8 +125,11 @@ def points(source: Path, parts: list[str], fp32: Path | None) -> list[dict[str, 
         for left in sources:
             point("loso", f"loso-{left}", set(others(left)), of(left), left_out=left, train_mix="others")
     if "curve" in parts:
-        for n in CURVE:
-            point("curve", f"curve-{n}", set(others("essays")[:n]), of("essays"), left_out="essays", train_mix="others")
+        pool = others("essays")
+        for n in curve_sizes(len(pool)):
+            tag = "loso-essays" if n == len(pool) else f"curve-{n}"  # all of them: the loso point, trained once
+            point("curve" if n < len(pool) else "loso", tag, set(pool[:n]), of("essays"), left_out="essays",
+                  train_mix="others")  # fmt: skip
     if "mix" in parts:
         for mix in [*sources, "mixed"]:
             pool = interleaved([d for d in docs if d["split"] == "train" and (mix == "mixed" or d["source"] == mix)])
@@ -112,6 +140,10 @@ def points(source: Path, parts: list[str], fp32: Path | None) -> list[dict[str, 
         for width in WIDTHS:
             point("width", f"loso-essays-w{width}", set(others("essays")), of("essays"), kinds=("mlp",),
                   extra=(f"surrogate.mlp_hidden={width}",), left_out="essays", mlp_hidden=width)  # fmt: skip
+    if "recipe" in parts:
+        for label, override in RECIPES:
+            point("recipe", f"loso-essays-{label.replace(' ', '')}", set(others("essays")), of("essays"),
+                  kinds=("mlp",), extra=(override,), left_out="essays", recipe=label)  # fmt: skip
     if "dtype" in parts and fp32 is not None:
         fp32_docs = {d["doc_id"] for d in read_json(fp32 / "manifest.json", "")["documents"] if d["status"] == "done"}
         train_ids = set(others("essays")) & fp32_docs
@@ -121,9 +153,9 @@ def points(source: Path, parts: list[str], fp32: Path | None) -> list[dict[str, 
     return out
 
 
-def write(results: list[dict[str, Any]], out: Path) -> None:
+def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
     """The Markdown table and the learning-curve plot."""
-    keys = ["part", "kind", "left_out", "train_mix", "mlp_hidden", "hidden_dtype", "train_docs", "train_rows"]
+    keys = ["part", "kind", "left_out", "train_mix", "mlp_hidden", "recipe", "hidden_dtype", "train_docs", "train_rows"]
     lines = ["| " + " | ".join([*keys, "R^2 pooled per layer", "R^2 per head", "Spearman", "train s"]) + " |",
              "|" + "---|" * (len(keys) + 4)]  # fmt: skip
     for r in results:
@@ -131,7 +163,7 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
         cells += [f"{r['r2_pooled_per_layer']:.3f}", f"{r['r2_per_head']:.3f}", f"{r['spearman']:.3f}"]
         lines.append("| " + " | ".join([*cells, f"{r['train_s']:.0f}"]) + " |")
     write_atomic(
-        out / "surrogate_study.md", "# Surrogate study (scripts/surrogate_study.py)\n\n" + "\n".join(lines) + "\n"
+        out / f"{name}.md", f"# Surrogate study: {name} (scripts/surrogate_study.py)\n\n" + "\n".join(lines) + "\n"
     )
     import matplotlib
 
@@ -149,7 +181,7 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "surrogate_study_curve.png", dpi=120)
+    fig.savefig(out / f"{name}_curve.png", dpi=120)
     plt.close(fig)
 
 
@@ -157,17 +189,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extract", default="extract/default")
     parser.add_argument("--fp32-extract", default=None, help="an extract run with extract.hidden_dtype=float32")
-    parser.add_argument("--parts", default="loso,curve,mix,width,dtype")
+    parser.add_argument("--parts", default="loso,curve,mix,width,recipe,dtype")
     parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="surrogate_study", help="file names: <out>/<name>.md, <name>_curve.png")
     args = parser.parse_args()
     source = resolve_run(args.extract, "extract")
     fp32 = resolve_run(args.fp32_extract, "extract") if args.fp32_extract else None
     results = points(source, args.parts.split(","), fp32)
-    write_json(outputs_root() / "surrogate_study.json", results)
+    write_json(outputs_root() / f"{args.name}.json", results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write(results, out)
-    print((out / "surrogate_study.md").read_text())
+    write(results, out, args.name)
+    print((out / f"{args.name}.md").read_text())
 
 
 if __name__ == "__main__":

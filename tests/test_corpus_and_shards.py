@@ -51,6 +51,9 @@ def test_select_is_balanced_and_seeded(english) -> None:
     assert len(picked) == 3 * 6
     assert select(english[0], 4, 2, seed=1) == picked != select(english[0], 4, 2, seed=2)
     assert split_of("essay-03", 0.1) == split_of("essay-03", 0.1)
+    every = select(english[0], None, None, seed=1)  # no caps: every document, the capped ones first in each pool
+    assert sorted(d.doc_id for d in every) == sorted(d.doc_id for d in english[0])
+    assert [d for d in every if d.split == "test"][:2] == [d for d in picked if d.split == "test"][:2]
 
 
 def test_nemotron_loader_on_a_fixture_in_its_schema(tmp_path: Path, tiny) -> None:

@@ -181,8 +181,10 @@ def nemotron_sample(
     return docs, stats
 
 
-def select(docs: list[Document], n_train_per_source: int, n_test_per_source: int, seed: int) -> list[Document]:
-    """A balanced, seeded subset: at most n per (source, split), test documents first."""
+def select(
+    docs: list[Document], n_train_per_source: int | None, n_test_per_source: int | None, seed: int
+) -> list[Document]:
+    """A balanced, seeded subset: at most n per (source, split) (None: all of them), test documents first."""
     rng = random.Random(seed)
     chosen: list[Document] = []
     for split, cap in (("test", n_test_per_source), ("train", n_train_per_source)):

@@ -1,0 +1,93 @@
+"""scripts/surrogate_study.py's bookkeeping: the learning curve's sizes, views per extract, one run per point."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvresearch.runs import CONF_DIR
+from kvresearch.surrogate.data import ExtractRun
+from tests.helpers import synthetic_extract
+
+spec = importlib.util.spec_from_file_location("surrogate_study", CONF_DIR.parent / "scripts" / "surrogate_study.py")
+assert spec is not None and spec.loader is not None
+study = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(study)
+
+SOURCES = ("essays", "wiki", "bible")
+
+
+@pytest.mark.parametrize("n", [1, 15, 22, 23, 60, 129, 1980, 2114])
+def test_the_curve_doubles_from_15_and_ends_at_every_document(n: int) -> None:
+    sizes = study.curve_sizes(n)
+    assert sizes[-1] == n and sizes == sorted(set(sizes))
+    assert all(b == 2 * a for a, b in itertools.pairwise(sizes[:-1]))  # doubling before the last
+    if len(sizes) > 1:
+        assert sizes[0] == 15 and 1.5 * sizes[-2] <= n < 3 * sizes[-2]  # no near-duplicate of the last point
+
+
+def extract(folder: Path, seed: int, n_docs: int = 30) -> Path:
+    """A synthetic finished extract whose documents take the three sources in turn."""
+    manifest = synthetic_extract(folder, lambda h: h[..., :2], 2, 8, 2, n_docs=n_docs, rows=4, seed=seed)
+    for doc in manifest["documents"]:
+        doc["source"] = SOURCES[doc["index"] % 3]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_views_of_two_extracts_never_share_a_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    a, b = extract(tmp_path / "a", seed=0), extract(tmp_path / "b", seed=1)
+    ids = [study.view(source, "curve-15", {"d1", "d2"}, {"d0"}) for source in (a, b)]
+    assert ids[0] != ids[1]
+    folders = sorted((tmp_path / "outputs" / "extract").iterdir())
+    assert len(folders) == 2
+    for folder in folders:
+        run = ExtractRun(folder)  # a finished run that training opens, its shards those of its source
+        splits = run.split_documents(val_fraction=0.0, seed=0)
+        assert splits["train"] | splits["val"] == {1, 2} and splits["test"] == {0}
+        h, _ = run.fetch(run.rows_of({0}))
+        source = a if folder.name.startswith(f"study-{study.run_id(a)}") else b
+        h_source, _ = ExtractRun(source).fetch(ExtractRun(source).rows_of({0}))
+        assert torch.equal(h, h_source)
+
+
+def test_the_curve_trains_prefixes_of_the_other_sources_and_its_end_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    source = extract(tmp_path / "full", seed=0, n_docs=150)  # 100 wiki and bible documents, 50 essays
+    trained: list[tuple[str, str]] = []
+
+    def fake_train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:  # no fit: bookkeeping
+        trained.append((extract_id, kind))
+        folder = next(p for p in (tmp_path / "outputs" / "extract").iterdir() if study.run_id(p) == extract_id)
+        docs = json.loads((folder / "manifest.json").read_text())["documents"]
+        train = [d for d in docs if d["status"] == "done" and d["split"] == "train"]
+        test = [d for d in docs if d["status"] == "done" and d["split"] == "test"]
+        (left,) = {d["source"] for d in test}  # one source left out, tested on all of it, none of it trained on
+        sources = [d["source"] for d in train]
+        assert left not in sources and len(test) == 50
+        a, b = (s for s in SOURCES if s != left)
+        assert abs(sources.count(a) - sources.count(b)) <= 1  # a prefix of the two others in turn
+        fit = {"rows": 4 * len(test), "r2_per_layer": [len(train) / 100], "r2_mean": 0, "spearman_mean": 0}
+        rows = {"train": 4 * len(train), "val": 0}
+        return {"documents": {"train": len(train)}, "rows": rows, "train_s": 0, "test": fit}
+
+    monkeypatch.setattr(study, "train", fake_train)
+    results = study.points(source, ["loso", "curve"], None)
+    assert len(trained) == len(set(trained))  # the curve's last point is the loso run, trained once
+    essays = [r for r in results if r["left_out"] == "essays"]
+    assert sorted({r["train_docs"] for r in essays}) == study.curve_sizes(100) == [15, 30, 60, 100]
+    assert len(essays) == 2 * 4 and all(r["test_rows"] == 4 * 50 for r in essays)
+    out = tmp_path / "docs"
+    out.mkdir()
+    study.write(results, out, "curve_all")
+    table = (out / "curve_all.md").read_text()
+    assert table.count("| curve |") == 6 and (out / "curve_all_curve.png").stat().st_size > 0
