@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-curve surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -63,6 +63,9 @@ train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + M
 
 surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the default extract (docs/surrogates.md, ~45 min)
 	$(PY) scripts/surrogate_study.py $(ARGS)
+
+surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epochs, lr, weight decay, a second seed (~50 min)
+	$(PY) scripts/surrogate_study.py --parts recipe --name surrogate_recipe $(ARGS)
 
 # Every document the packaged corpora give (2,114), for the learning curve up to all of them; its run folder.
 EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null

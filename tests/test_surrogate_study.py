@@ -91,3 +91,30 @@ def test_the_curve_trains_prefixes_of_the_other_sources_and_its_end_once(
     study.write(results, out, "curve_all")
     table = (out / "curve_all.md").read_text()
     assert table.count("| curve |") == 6 and (out / "curve_all_curve.png").stat().st_size > 0
+
+
+def test_the_recipe_part_changes_one_setting_per_point_and_draws_no_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    source = extract(tmp_path / "full", seed=0, n_docs=30)
+    trained: list[tuple[str, str, tuple[str, ...]]] = []
+
+    def fake_train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:  # no fit: bookkeeping
+        trained.append((extract_id, kind, extra))
+        fit = {"rows": 1, "r2_per_layer": [len(trained) / 100], "r2_mean": 0, "spearman_mean": 0}
+        return {"documents": {"train": 20}, "rows": {"train": 20, "val": 0}, "train_s": 0, "test": fit}
+
+    monkeypatch.setattr(study, "train", fake_train)
+    results = study.points(source, ["recipe"], None)
+    assert len(trained) == len(set(trained)) and {kind for _, kind, _ in trained} == {"mlp"}
+    # every point is the reference recipe with one change: its weight decay, or the reference's and one override
+    for _, _, extra in trained:
+        weight_decay = len(extra) == 1 and extra[0].startswith("surrogate.weight_decay=")
+        assert weight_decay or (extra[0] == study.REFERENCE and len(extra) <= 2), extra
+    by_source = {s: [r["recipe"] for r in results if r["left_out"] == s] for s in SOURCES}
+    assert by_source["essays"] == ["reference", *(label for label, _ in study.RECIPES)]
+    assert by_source["wiki"] == by_source["bible"] == ["reference", study.RECIPE_CHECKED[0]]
+    study.write(results, tmp_path, "recipe")
+    assert (tmp_path / "recipe.md").read_text().count("| recipe | mlp |") == len(study.RECIPES) + 5
+    assert not (tmp_path / "recipe_curve.png").exists()
