@@ -64,7 +64,7 @@ train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + M
 surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the default extract (docs/surrogates.md, ~45 min)
 	$(PY) scripts/surrogate_study.py $(ARGS)
 
-surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epochs, lr, weight decay, a second seed (~50 min)
+surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epochs, lr, weight decay, a second seed (~30 min)
 	$(PY) scripts/surrogate_study.py --parts recipe --name surrogate_recipe $(ARGS)
 
 # Every document the packaged corpora give (2,114), for the learning curve up to all of them; its run folder.
