@@ -114,7 +114,7 @@ def test_the_recipe_part_changes_one_setting_per_point_and_draws_no_curve(
         assert weight_decay or (extra[0] == study.REFERENCE and len(extra) <= 2), extra
     by_source = {s: [r["recipe"] for r in results if r["left_out"] == s] for s in SOURCES}
     assert by_source["essays"] == ["reference", *(label for label, _ in study.RECIPES)]
-    assert by_source["wiki"] == by_source["bible"] == ["reference", study.RECIPE_CHECKED[0]]
+    assert by_source["wiki"] == by_source["bible"] == ["reference", study.RECIPE_CHECKED]
     study.write(results, tmp_path, "recipe")
     assert (tmp_path / "recipe.md").read_text().count("| recipe | mlp |") == len(study.RECIPES) + 5
     assert not (tmp_path / "recipe_curve.png").exists()
