@@ -35,6 +35,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from kvresearch.config_check import check_run, run_changes
 from kvresearch.errors import KVResearchError
 from kvresearch.tracking import Tracker, tracker
 
@@ -165,7 +166,13 @@ def versions() -> dict[str, Any]:
             git = {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"packages": packages, "python": sys.version.split()[0], "platform": platform.platform(), "git": git}
+    return {
+        "packages": packages,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "git": git,
+        "checkout": str(repo_root()),  # absolute paths in config.yaml compare relative to it (config_check)
+    }
 
 
 # ----------------------------------------------------------------------------------------- Hydra context
@@ -260,12 +267,29 @@ def clear_run(out_dir: Path) -> None:
         shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
+def folder_changes(folder: Path, stage: str, overrides: list[str]) -> list[str]:
+    """What differs between a run folder's stored config and the one ``overrides`` compose today ([] if none).
+
+    For runners that skip finished runs without starting their stage (scripts/experiment.py).
+    """
+    if not (Path(folder) / "config.yaml").is_file():
+        return []
+    cfg = compose_config(stage, [o for o in overrides if not o.startswith(("hydra.", "hydra/"))])
+    return run_changes(folder, cfg, repo_root()) or []
+
+
 def execute(cfg: DictConfig, fn: StageFn, verify: VerifyFn | None = None) -> dict[str, Any]:
-    """Run a stage in ``cfg.out_dir`` unless it is already DONE and intact; return its metrics."""
+    """Run a stage in ``cfg.out_dir`` unless it is already DONE and intact; return its metrics.
+
+    A folder made with other settings (:func:`kvresearch.config_check.check_run`) is refused before anything
+    is read or written.
+    """
     out_dir = Path(cfg.out_dir)
     if cfg.get("force", False):
         clear_run(out_dir)
-    elif is_done(out_dir):
+    else:
+        check_run(out_dir, cfg, repo_root())
+    if is_done(out_dir):
         problem = _damage(out_dir, verify)
         if problem is None:
             print(f"[kvresearch] {out_dir} is DONE; skipping (force=true redoes it)", flush=True)

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/experiment.py list
     .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--rows R,..] [--models M,..] [--print]
-        [--launcher slurm] [-- ARGS]
+        [--launcher slurm] [--on-config-change refuse|redo|keep] [-- ARGS]
     .venv/bin/python scripts/experiment.py table kvzap_ruler [--variant twin] [--out docs/results/experiments] [--wandb]
 
 ``run`` starts one stage job per cell that is not finished (the full-cache row first: the others take their
@@ -10,7 +10,9 @@ full-cache answers from it; ``--rows`` picks rows or budget points, in the order
 entries), each logged to W&B (offline by default; ``--no-wandb`` to skip) in the group ``<experiment>`` with
 the variant as a tag;
 ``--print`` only prints the commands (to hand to any scheduler);
-``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/). Extra
+``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/);
+``--on-config-change`` says what to do with cells whose run folder was made with other settings than
+today's config (stop and list them, redo them, or keep them). Extra
 arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
 cell without a finished run prints "not run") and ``.png`` / ``.pdf`` (the curve: metric against the
 measured prune ratio with 95% intervals; the fit: held-out R^2 per layer) and one W&B run in the
@@ -26,17 +28,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvresearch import experiments
+from kvresearch import experiments, runs
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import is_done, outputs_root, repo_root, write_atomic
 
 
-def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace) -> list[str]:
-    """The stage command of one cell."""
-    cmd = [sys.executable, "-m", f"kvresearch.stages.{cell.stage}", *cell.overrides]
+def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> list[str]:
+    """The stage command of one cell (``extra``: overrides for this cell alone)."""
+    cmd = [sys.executable, "-m", f"kvresearch.stages.{cell.stage}", *cell.overrides, *extra]
     cmd += ["logger=wandb", f"logger.group={exp_name}", f"logger.tags=[{args.variant}]"] if args.wandb else []
     cmd += ["-m", f"hydra/launcher={args.launcher}"] if args.launcher else []
     return cmd + list(args.extra)
+
+
+def changed_cells(cells: list[experiments.Cell], root: Path, extra: list[str]) -> dict[experiments.Cell, list[str]]:
+    """The cells whose run folder (finished or not) was made with other settings than today's config gives."""
+    found = {c: runs.folder_changes(c.folder(root), c.stage, [*c.overrides, *extra]) for c in cells}
+    return {c: changes for c, changes in found.items() if changes}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -44,11 +52,21 @@ def run(args: argparse.Namespace) -> None:
     root = outputs_root()
     split = lambda arg: arg.split(",") if arg else None
     chosen = experiments.select(experiments.cells(exp, args.variant), split(args.rows), split(args.models))
-    todo = [c for c in chosen if not is_done(c.folder(root))]
+    changed = changed_cells(chosen, root, args.extra)
+    if changed and args.on_config_change == "refuse":
+        listing = "\n".join(f"  {c.model} {c.row} {c.point}: {'; '.join(found[:3])}" for c, found in changed.items())
+        raise SystemExit(
+            f"{len(changed)} cells of {args.name} have run folders made with other settings than today's config "
+            f"(stored -> now):\n{listing}\nRedo them with --on-config-change redo (their folders are emptied), "
+            "or keep them as they are with --on-config-change keep."
+        )
+    per_cell = {c: ("force=true" if args.on_config_change == "redo" else "on_config_change=keep",) for c in changed}
+    redo = args.on_config_change == "redo"
+    todo = [c for c in chosen if not is_done(c.folder(root)) or (redo and c in changed)]
     print(f"{args.name} ({args.variant}): {len(todo)} cells to run", flush=True)
     failed = []
     for i, cell in enumerate(todo, 1):
-        cmd = command(cell, Path(args.name).stem, args)
+        cmd = command(cell, Path(args.name).stem, args, per_cell.get(cell, ()))
         print(f"[{i}/{len(todo)}] {shlex.join(cmd[1:])}", flush=True)
         if not args.print and subprocess.run(cmd, cwd=repo_root()).returncode != 0:
             failed.append(cell)
@@ -174,6 +192,13 @@ def main() -> None:
     runner.add_argument("--rows", default=None, help=f"{only}, e.g. kvzap_mlp@calibrate_to=0.5,kvzip_plus")
     runner.add_argument("--models", default=None, help="only these model entries (labels, comma-separated)")
     runner.add_argument("--launcher", default=None, help="hydra/launcher for every cell (slurm, local, joblib)")
+    runner.add_argument(
+        "--on-config-change",
+        default="refuse",
+        choices=["refuse", "redo", "keep"],
+        help="cells whose run folder was made with other settings: stop and list them (refuse), "
+        "empty and run them again (redo), or keep them as they are (keep)",
+    )
     runner.add_argument("extra", nargs="*", help="after --: overrides for every job")
     tables.add_argument("--root", default=str(outputs_root()))
     tables.add_argument("--out", default="docs/results/experiments")

@@ -39,7 +39,18 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from kvresearch.runs import outputs_root, read_json, repo_root, resolve_run, run_id, run_name, write_atomic, write_json
+from kvresearch.experiments import excluded_keys
+from kvresearch.runs import (
+    folder_changes,
+    outputs_root,
+    read_json,
+    repo_root,
+    resolve_run,
+    run_id,
+    run_name,
+    write_atomic,
+    write_json,
+)
 
 CURVE_START = 15  # the learning curve's first point, in documents of the other sources
 WIDTHS = (36, 144, 288)  # hidden/16, hidden/4, hidden/2 for SmolLM2 (576); hidden/8 = 72 is the default
@@ -102,10 +113,13 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
 def train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One train_surrogate run on a view (skipped when finished); its metrics."""
     overrides = [f"paths.extract={extract_id}", f"surrogate={kind}", *extra]
-    folder = outputs_root() / "train_surrogate" / run_name(",".join(sorted(overrides)))
-    if not (folder / "DONE").is_file():
+    named = [o for o in overrides if o.split("=", 1)[0] not in excluded_keys()]  # as Hydra names the folder
+    folder = outputs_root() / "train_surrogate" / run_name(",".join(sorted(named)))
+    if not (folder / "DONE").is_file() or folder_changes(folder, "train_surrogate", overrides):
         cmd = [sys.executable, "-m", "kvresearch.stages.train_surrogate", *overrides]
-        subprocess.run(cmd, check=True, cwd=repo_root())
+        if subprocess.run(cmd, cwd=repo_root()).returncode != 0:  # the stage's own message is printed above
+            raise SystemExit(f"train_surrogate failed for {folder.name}; --set force=true or on_config_change=keep "
+                             "passes a stage's way on to every run of the study.")  # fmt: skip
     return json.loads((folder / "metrics.json").read_text())
 
 

@@ -24,6 +24,7 @@ FLOORS = {
     "generation": 0,
     "ops": 1,
     "runs": 1,
+    "config_check": 1,
     "data": 1,
     "models": 1,
     "benchmarks": 1,

@@ -103,6 +103,23 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
     again = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb", "--print"], env=env,
                            capture_output=True, text=True, cwd=repo_root())  # fmt: skip
     assert "1 cells to run" in again.stdout and "snapkv" in again.stdout
+    # A finished cell whose stored settings differ from today's config (a default changed since) is not reused
+    # silently: the runner lists it, and redoes it or keeps it only when told.
+    stored = cells["streaming_llm"].folder(tmp_path / "out") / "config.yaml"
+    stored.write_text(stored.read_text().replace("max_new_tokens: 8", "max_new_tokens: 9"))
+    base = [sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb", "--print"]
+    printed = lambda *flags: subprocess.run([*base, *flags], env=env, capture_output=True, text=True, cwd=repo_root())
+    refused = printed()
+    assert refused.returncode != 0 and "0 cells" not in refused.stdout
+    assert "1 cells of" in refused.stderr and "streaming_llm" in refused.stderr
+    assert "evaluate.max_new_tokens: 9 -> 8" in refused.stderr and "--on-config-change redo" in refused.stderr
+    kept = printed("--on-config-change", "keep")
+    assert kept.returncode == 0 and "1 cells to run" in kept.stdout and "streaming_llm" not in kept.stdout
+    redone = printed("--on-config-change", "redo")
+    assert redone.returncode == 0 and "2 cells to run" in redone.stdout
+    assert [line for line in redone.stdout.splitlines() if "force=true" in line] == [
+        line for line in redone.stdout.splitlines() if "method=streaming_llm" in line
+    ]
 
 
 def test_configs_in_conf_experiment_name_models_that_exist() -> None:

@@ -234,3 +234,58 @@ def test_a_bad_method_option_fails_in_one_paragraph_before_the_model_loads(tmp_p
     assert result.returncode == 2 and "Traceback" not in result.stderr
     # The hub model is absent: had it been loaded first, the error would be about the model.
     assert result.stderr.startswith("error: method snapkv: keep_ratio must lie in [0, 1]"), result.stderr
+
+
+def test_config_changes_list_each_differing_setting_and_ignore_where_a_run_lives() -> None:
+    from kvresearch.config_check import changes
+
+    roots = {"outputs": "/old/out", "checkout": "/old/repo"}
+    moved = {"outputs": "/new/out", "checkout": "/new/repo"}
+    stored = {"seed": 0, "surrogate": {"weight_decay": 0.01, "epochs": 15}, "benchmark": {"tasks": ["a", "b"]},
+              "force": False, "logger": {"kind": "none"}, "paths": {"root": "/old/out", "extract": "extract/default"},
+              "out_dir": "/old/out/train_surrogate/x", "method": {"budgets": "/old/repo/conf/head_budgets/m.json"},
+              "surrogate_run": "/old/out/train_surrogate/surrogate=mlp"}  # fmt: skip
+    same = {**stored, "force": True, "logger": {"kind": "wandb", "group": "g"}, "paths": {**stored["paths"],
+            "root": "/new/out"}, "out_dir": "/new/out/train_surrogate/x",
+            "method": {"budgets": "/new/repo/conf/head_budgets/m.json"},
+            "surrogate_run": "/new/out/train_surrogate/surrogate=mlp"}  # fmt: skip
+    assert changes(stored, stored, roots, roots) == []
+    assert changes(stored, same, roots, moved) == []  # moved outputs and checkout, forced, logged: the same run
+    now = {**same, "surrogate": {"weight_decay": 1.0, "epochs": 15, "width": 72}, "benchmark": {"tasks": ["a"]},
+           "method": {"budgets": "/elsewhere/m.json"}}  # fmt: skip
+    assert changes(stored, now, roots, moved) == [
+        "benchmark.tasks: ['a', 'b'] -> ['a']",
+        "method.budgets: <checkout>/conf/head_budgets/m.json -> /elsewhere/m.json",
+        "surrogate.weight_decay: 0.01 -> 1.0",
+        "surrogate.width: <absent> -> 72",  # a setting added since is a change too
+    ]
+
+
+def test_a_run_folder_made_with_other_settings_is_refused_unless_forced_or_kept(tmp_path: Path) -> None:
+    """A default changed in conf/ since a run gives the same folder name: the run must not pass for today's."""
+    out = tmp_path / "run"
+    calls = []
+
+    def stage(cfg, ctx):
+        calls.append(cfg.needle.context_tokens)
+        return {"tokens": cfg.needle.context_tokens}
+
+    execute(compose_stage("needle", out, ["model=tiny_random", "needle.context_tokens=128"]), stage)
+    # The same folder, as a changed default would give it: the stored config says 128, today's 192.
+    changed = compose_stage("needle", out, ["model=tiny_random", "needle.context_tokens=192"])
+    with pytest.raises(KVResearchError, match=r"1 differ.*needle\.context_tokens: 128 -> 192.*force=true.*on_config"):
+        execute(changed, stage)
+    assert calls == [128] and (out / "DONE").is_file()  # nothing redone, nothing touched
+    changed.on_config_change = "keep"
+    assert execute(changed, stage)["tokens"] == 128 and calls == [128]  # kept as it is
+    changed.on_config_change = "refuse"
+    (out / "DONE").unlink()  # an unfinished run would resume under other settings: refused as well
+    with pytest.raises(KVResearchError, match=r"needle\.context_tokens: 128 -> 192"):
+        execute(changed, stage)
+    changed.force = True
+    assert execute(changed, stage)["tokens"] == 192 and calls == [128, 192]
+    changed.force = False
+    assert execute(changed, stage)["tokens"] == 192 and calls == [128, 192]  # the redone run is today's: skipped
+    changed.on_config_change = "sometimes"
+    with pytest.raises(KVResearchError, match="not one of refuse, keep"):
+        execute(changed, stage)

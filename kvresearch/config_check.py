@@ -1,0 +1,137 @@
+"""Has a run's config changed since it ran? The settings a run folder was made with against today's.
+
+A run folder is named by its command-line overrides only, so a change of a default in ``conf/`` (or of a
+knob added since) gives the same folder to a different computation. :func:`changes` lists every setting
+whose stored value differs from the current one; :func:`run_changes` reads a run folder's ``config.yaml``
+for it. Settings that do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether
+it is forced) are left out, and absolute paths under the outputs root or the checkout compare relative to
+them, so a moved checkout or outputs folder is not a change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from kvresearch.errors import KVResearchError
+
+BLIND = ("force", "on_config_change", "logger", "paths.root", "out_dir", "run_name")
+ON_CHANGE = ("refuse", "keep")  # a changed config stops the run, or the run is kept / resumed as it is
+ABSENT = "<absent>"
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values (a list is one leaf): ``{"a": {"b": 1}}`` gives ``{"a.b": 1}``."""
+    if not isinstance(node, Mapping):
+        return {prefix: node}
+    if not node and prefix:
+        return {prefix: {}}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _blind(key: str) -> bool:
+    return any(key == b or key.startswith(b + ".") for b in BLIND)
+
+
+def _relative(value: Any, roots: Mapping[str, str]) -> Any:
+    """An absolute path under one of ``roots`` (label -> folder) as ``<label>/rest``; anything else as it is."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        return value
+    for label, root in roots.items():
+        root = root.rstrip("/")
+        if root and (value == root or value.startswith(root + "/")):
+            return f"<{label}>{value[len(root) :]}"
+    return value
+
+
+def changes(
+    stored: Mapping[str, Any],
+    current: Mapping[str, Any],
+    stored_roots: Mapping[str, str],
+    current_roots: Mapping[str, str],
+) -> list[str]:
+    """``key: stored -> current`` for each setting that differs (``<absent>`` on the side that lacks it).
+
+    Args:
+        stored: the resolved config (nested mappings) as the run saved it.
+        current: the resolved config as it is now.
+        stored_roots: label -> folder (``outputs``, ``checkout``) the stored paths live under.
+        current_roots: the same for the current paths.
+    """
+    old = {k: _relative(v, stored_roots) for k, v in flatten(stored).items() if not _blind(k)}
+    new = {k: _relative(v, current_roots) for k, v in flatten(current).items() if not _blind(k)}
+    found = []
+    for key in sorted(old.keys() | new.keys()):
+        before, now = old.get(key, ABSENT), new.get(key, ABSENT)
+        if before != now:
+            found.append(f"{key}: {before} -> {now}")
+    return found
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` resolved, without the blind top-level keys (``out_dir`` and ``run_name`` need Hydra to resolve)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        for key in BLIND:
+            if "." not in key and key in cfg:
+                del cfg[key]
+    out = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
+
+
+def run_changes(out_dir: Path, cfg: DictConfig, checkout: Path) -> list[str] | None:
+    """What differs between the config stored in ``out_dir`` and ``cfg``; None when the folder holds none.
+
+    ``checkout`` is the current checkout; the stored one is read from the run's ``versions.json``
+    (``checkout``), or taken to be the current one for runs that predate that field.
+    """
+    path = Path(out_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    assert isinstance(loaded, dict)
+    stored = {str(k): v for k, v in loaded.items()}
+    versions = Path(out_dir) / "versions.json"
+    stored_checkout = str(checkout)
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # missing or damaged: paths compare as they are
+        stored_checkout = str(json.loads(versions.read_text(encoding="utf-8")).get("checkout") or checkout)
+    now = resolved(cfg)
+    stored_roots = {"outputs": str(stored.get("paths", {}).get("root", "")), "checkout": stored_checkout}
+    current_roots = {"outputs": str(now.get("paths", {}).get("root", cfg.paths.root)), "checkout": str(checkout)}
+    return changes(stored, now, stored_roots, current_roots)
+
+
+def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
+    """Refuse a run folder made with other settings than ``cfg`` (unless ``on_config_change=keep``).
+
+    A folder without a stored config passes: nothing ran there yet.
+
+    Raises:
+        KVResearchError: the differing settings, and the two ways on (``force=true``, ``on_config_change=keep``).
+    """
+    policy = str(cfg.get("on_config_change", "refuse"))
+    if policy not in ON_CHANGE:
+        raise KVResearchError(f"on_config_change={policy} is not one of {', '.join(ON_CHANGE)}.")
+    found = run_changes(out_dir, cfg, checkout)
+    if not found:
+        return
+    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+    if policy == "keep":
+        print(f"[kvresearch] {out_dir} was made with other settings ({shown}); keeping it (on_config_change=keep)")
+        return
+    raise KVResearchError(
+        f"The run folder {out_dir} was made with other settings than this command's ({len(found)} differ, "
+        f"stored -> now: {shown}). A folder is named by the command-line overrides only, so a default changed "
+        "in conf/ since (or a setting added since) lands in the same folder. Redo the run with force=true (it "
+        "empties the folder), or keep it as it is with on_config_change=keep (a finished run is reused, an "
+        "unfinished one resumes under the new settings)."
+    )
