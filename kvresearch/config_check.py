@@ -1,11 +1,13 @@
-"""Has a run's config changed since it ran? The settings a run folder was made with against today's.
+"""Is a run folder still what today's command would compute? Its settings and its inputs against today's.
 
 A run folder is named by its command-line overrides only, so a change of a default in ``conf/`` (or of a
-knob added since) gives the same folder to a different computation. :func:`changes` lists every setting
-whose stored value differs from the current one; :func:`run_changes` reads a run folder's ``config.yaml``
-for it. Settings that do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether
-it is forced) are left out, and absolute paths under the outputs root or the checkout compare relative to
-them, so a moved checkout or outputs folder is not a change.
+knob added since) gives the same folder to a different computation, and so does a run it read (a surrogate,
+a full-cache run) redone since under the same name. :func:`changes` lists every setting whose stored value
+differs from the current one; :func:`input_changes` every run read (:func:`note_input`) whose ``DONE`` stamp
+changed; :func:`run_changes` reads a run folder for both, and :func:`check_run` refuses on any. Settings that
+do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether it is forced) are
+left out, and absolute paths under the outputs root or the checkout compare relative to them, so a moved
+checkout or outputs folder is not a change.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvresearch.errors import KVResearchError
 BLIND = ("force", "on_config_change", "logger", "paths.root", "out_dir", "run_name")
 ON_CHANGE = ("refuse", "keep")  # a changed config stops the run, or the run is kept / resumed as it is
 ABSENT = "<absent>"
+_INPUTS: dict[str, str] = {}  # the finished runs the running stage reads: folder (relative to the root) -> DONE
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -105,9 +108,54 @@ def run_changes(out_dir: Path, cfg: DictConfig, checkout: Path) -> list[str] | N
     with contextlib.suppress(OSError, ValueError, AttributeError):  # missing or damaged: paths compare as they are
         stored_checkout = str(json.loads(versions.read_text(encoding="utf-8")).get("checkout") or checkout)
     now = resolved(cfg)
+    root = str(now.get("paths", {}).get("root", cfg.paths.root))
     stored_roots = {"outputs": str(stored.get("paths", {}).get("root", "")), "checkout": stored_checkout}
-    current_roots = {"outputs": str(now.get("paths", {}).get("root", cfg.paths.root)), "checkout": str(checkout)}
-    return changes(stored, now, stored_roots, current_roots)
+    current_roots = {"outputs": root, "checkout": str(checkout)}
+    return changes(stored, now, stored_roots, current_roots) + input_changes(out_dir, Path(root))
+
+
+def note_input(folder: Path, root: str | Path) -> Path:
+    """Record that the running stage reads the finished run ``folder`` (under ``root``, the outputs root).
+
+    The runner keeps the record in the run's metrics (``inputs``: each folder with the stamp of its ``DONE``),
+    so a later run can tell when one of them was redone since (:func:`input_changes`). Returns ``folder``.
+    """
+    folder = Path(folder).resolve()
+    base = Path(root).resolve()
+    key = str(folder.relative_to(base)) if folder.is_relative_to(base) else str(folder)
+    _INPUTS[key] = (folder / "DONE").read_text(encoding="utf-8").strip()
+    return folder
+
+
+def take_inputs() -> dict[str, str]:
+    """The runs noted since the last call (folder -> ``DONE`` stamp), sorted; the record starts empty again."""
+    taken = dict(sorted(_INPUTS.items()))
+    _INPUTS.clear()
+    return taken
+
+
+def input_changes(out_dir: Path, root: Path) -> list[str]:
+    """``input <run>: <DONE then> -> <DONE now>`` for each run that ``out_dir`` read and that was redone since.
+
+    The runs it read are its metrics' ``inputs`` (:func:`note_input`); a removed one counts as changed.
+
+    A run that reads a surrogate or a full-cache run by name does not see it redone in its own config: the
+    name stays, the run behind it changed.
+    """
+    try:
+        inputs = json.loads((Path(out_dir) / "metrics.json").read_text(encoding="utf-8")).get("inputs") or {}
+    except (OSError, ValueError, AttributeError):  # unfinished, or damaged: the run itself redoes what it must
+        return []
+    found = []
+    for ref, stamp in sorted(inputs.items()):
+        folder = Path(ref) if Path(ref).is_absolute() else Path(root) / ref
+        try:
+            now = (folder / "DONE").read_text(encoding="utf-8").strip()
+        except OSError:
+            now = ABSENT
+        if now != stamp:
+            found.append(f"input {ref}: finished {stamp} -> {now if now == ABSENT else 'redone ' + now}")
+    return found
 
 
 def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
@@ -131,7 +179,8 @@ def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
     raise KVResearchError(
         f"The run folder {out_dir} was made with other settings than this command's ({len(found)} differ, "
         f"stored -> now: {shown}). A folder is named by the command-line overrides only, so a default changed "
-        "in conf/ since (or a setting added since) lands in the same folder. Redo the run with force=true (it "
+        "in conf/ since, a setting added since, or a run it read redone since under the same name all land in "
+        "the same folder. Redo the run with force=true (it "
         "empties the folder), or keep it as it is with on_config_change=keep (a finished run is reused, an "
         "unfinished one resumes under the new settings)."
     )

@@ -31,6 +31,7 @@ from typing import Any
 from kvresearch.answering import Answer, Settings, check_lengths, prompts_of, respond
 from kvresearch.benchmarks.metrics import METRICS
 from kvresearch.benchmarks.sample import Question, Sample
+from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import FullCache, Method
 from kvresearch.models.cache import RaggedCache
@@ -110,7 +111,8 @@ def find_reference(explicit: str | None, out_dir: Path, root: Path) -> Path | No
     # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
     merged = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS[:1])
     whole = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS)
-    return next((p for p in [*merged, *whole] if is_done(p) and p != out_dir), None)
+    found = next((p for p in [*merged, *whole] if is_done(p) and p != out_dir), None)
+    return note_input(found, root) if found is not None else None
 
 
 def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

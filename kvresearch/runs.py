@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from kvresearch.config_check import check_run, run_changes
+from kvresearch.config_check import check_run, note_input, run_changes, take_inputs
 from kvresearch.errors import KVResearchError
 from kvresearch.tracking import Tracker, tracker
 
@@ -121,7 +122,7 @@ def resolve_run(ref: str | Path, stage: str, root: str | Path | None = None) -> 
             f"The {stage} run {folder} is not finished (no DONE): run or resume it first (re-running its "
             f"command continues it), or point at a finished run. Finished {stage} runs: {listing}."
         )
-    return folder.resolve()
+    return note_input(folder, root)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -309,14 +310,15 @@ def execute(cfg: DictConfig, fn: StageFn, verify: VerifyFn | None = None) -> dic
     stage = str(cfg.get("stage", "stage"))
     overrides, _ = hydra_overrides()
     run = {"stage": stage, "name": out_dir.name, "id": run_id(out_dir), "overrides": overrides}
+    take_inputs()  # what earlier work in this process read is not this run's
     with tracker(
         cfg.get("logger"), {str(k): v for k, v in resolved.items()}, out_dir, f"{stage}/{out_dir.name}", stage
     ) as active:
-        metrics = {**dict(fn(cfg, RunContext(out_dir, active))), "run": run}
+        metrics = {**dict(fn(cfg, RunContext(out_dir, active))), "run": run, "inputs": take_inputs()}
         metrics.setdefault("wall_s", round(time.perf_counter() - start, 3))
         active.summary(metrics)
     write_json(out_dir / "metrics.json", metrics)
-    write_atomic(out_dir / "DONE", time.strftime("%Y-%m-%dT%H:%M:%S%z") + "\n")
+    write_atomic(out_dir / "DONE", datetime.now().astimezone().isoformat(timespec="microseconds") + "\n")
     print(f"[kvresearch] finished {stage}/{out_dir.name} (run id {run['id']}): {out_dir}", flush=True)
     return metrics
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import is_done, resolve_run, run_with
 
@@ -45,4 +46,4 @@ def part_runs(out_dir: Path, stage: str, num_shards: int, explicit: Sequence[str
             f"Run them first: the same command with `-m {stage}.shard_index={','.join(map(str, range(num_shards)))}` "
             f"(a finished part is skipped), or list finished runs in {stage}.parts."
         )
-    return folders
+    return [note_input(f, root) for f in folders]

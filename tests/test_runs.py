@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,3 +290,32 @@ def test_a_run_folder_made_with_other_settings_is_refused_unless_forced_or_kept(
     changed.on_config_change = "sometimes"
     with pytest.raises(KVResearchError, match="not one of refuse, keep"):
         execute(changed, stage)
+
+
+def test_a_run_that_read_a_run_redone_since_is_refused(tmp_path: Path) -> None:
+    """A surrogate retrained under the same name leaves the evaluate runs that read it with an unchanged config."""
+    upstream = tmp_path / "train_surrogate" / "mlp"
+    execute(compose_stage("needle", upstream, ["model=tiny_random"]), lambda cfg, ctx: {"r2": 0.7})
+    calls = []
+
+    def reader(cfg, ctx):
+        calls.append(resolve_run("train_surrogate/mlp", "train_surrogate", cfg.paths.root))
+        return {"score": 1.0}
+
+    cfg = compose_stage("needle", tmp_path / "needle" / "reader", ["model=tiny_random", f"paths.root={tmp_path}"])
+    stamp = (upstream / "DONE").read_text().strip()
+    assert execute(cfg, reader)["inputs"] == {"train_surrogate/mlp": stamp}
+    execute(cfg, reader)
+    assert len(calls) == 1  # nothing changed: skipped
+    redo = compose_stage("needle", upstream, ["model=tiny_random", "force=true"])
+    execute(redo, lambda cfg, ctx: {"r2": 0.8})
+    with pytest.raises(KVResearchError, match=rf"input train_surrogate/mlp: finished {re.escape(stamp)} -> redone"):
+        execute(cfg, reader)
+    cfg.on_config_change = "keep"
+    execute(cfg, reader)
+    assert len(calls) == 1  # kept as it is
+    cfg.on_config_change, cfg.force = "refuse", True
+    assert execute(cfg, reader)["inputs"] == {"train_surrogate/mlp": (upstream / "DONE").read_text().strip()}
+    cfg.force = False
+    execute(cfg, reader)
+    assert len(calls) == 2  # redone against today's surrogate, then skipped

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings, check_lengths, prompts_of
 from kvresearch.benchmarks.loader import load_samples
+from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.evaluation import Predictions, prompt_sha1
 from kvresearch.fidelity import RECORD, run_prompts, summarize
@@ -31,6 +32,7 @@ def references(cfg: DictConfig, out_dir: Path) -> tuple[Path | None, dict[str, d
         folder = next((p for p in sibling_runs(out_dir, GROUPS, "method=full") if is_done(p)), None)
     if folder is None or folder == out_dir:
         return None, {}
+    note_input(folder, cfg.paths.root)
     return folder, Predictions(folder / "generations.jsonl", RECORD).load()
 
 
