@@ -14,7 +14,8 @@ the variant as a tag;
 ``--on-config-change`` says what to do with cells whose run folder was made with other settings than
 today's config (stop and list them, redo them, or keep them). Extra
 arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
-cell without a finished run prints "not run") and ``.png`` / ``.pdf`` (the curve: metric against the
+cell without a finished run prints "not run"; one that today's config would not compute as it is is marked
+"(changed)", with what differs under the table) and ``.png`` / ``.pdf`` (the curve: metric against the
 measured prune ratio with 95% intervals; the fit: held-out R^2 per layer) and one W&B run in the
 experiment's group holding the table (a W&B Table) and the figure (``--no-wandb`` to skip).
 """
@@ -150,15 +151,35 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
     plt.close(fig)
 
 
+def mark_changed(exp: Any, variant: str, root: Path, rows: list[list[str]], name: str) -> str:
+    """Mark the rows of finished cells that today's config would not compute as they are ("(changed)" after
+    the method) and return the note that lists them ("" when there are none)."""
+    every = experiments.cells(exp, variant)
+    changed = changed_cells([c for c in every if is_done(c.folder(root))], root, [f"paths.root={root}"])
+    for row, cell in zip(rows, every, strict=True):
+        if cell in changed:
+            row[1] += " (changed)"
+    if not changed:
+        return ""
+    lines = "\n".join(f"- {c.model} {c.row} {c.point}: {'; '.join(found[:3])}" for c, found in changed.items())
+    return (
+        "\nCells marked (changed) were run with other settings, or from runs redone since, than today's config "
+        f'gives (stored -> now); `make experiment-{name} EXP_ARGS="--on-config-change redo"` reruns them:\n'
+        f"{lines}\n"
+    )
+
+
 def table(args: argparse.Namespace) -> None:
     exp = experiments.load(args.name)
     header, rows, points = experiments.table(exp, args.variant, Path(args.root))
-    out = Path(args.out)
     name = Path(args.name).stem  # a config's name, or a YAML file's
+    changed = mark_changed(exp, args.variant, Path(args.root), rows, name)
+    out = Path(args.out)
     stem = out / f"{name}_{args.variant}"
     caption = f"{exp.title} ({args.variant}; mirrors {exp.paper}). {experiments.summary_line(rows)}."
     text = f"# {exp.title} ({args.variant})\n\nMirrors {exp.paper}. {exp.get('notes', '')}\n\n"
     text += experiments.markdown(header, rows) + f"\n{experiments.summary_line(rows)}; 95% bootstrap intervals.\n"
+    text += changed
     write_atomic(stem.with_suffix(".md"), text)
     write_atomic(stem.with_suffix(".tex"), experiments.latex(header, rows, caption))
     figure(exp, args.variant, points, stem)

@@ -120,6 +120,13 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
     assert [line for line in redone.stdout.splitlines() if "force=true" in line] == [
         line for line in redone.stdout.splitlines() if "method=streaming_llm" in line
     ]
+    # The table still shows the cell's numbers, marked, with what differs listed under it.
+    table = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr[-2000:]
+    text = (tmp_path / "tables" / "fixture_xyz_twin.md").read_text()
+    marked = [line for line in text.splitlines() if "(changed)" in line and line.startswith("|")]
+    assert len(marked) == 1 and "| streaming_llm (changed) |" in marked[0]
+    assert "- tiny_random streaming_llm keep_ratio=0.5: evaluate.max_new_tokens: 9 -> 8" in text
 
 
 def test_configs_in_conf_experiment_name_models_that_exist() -> None:
