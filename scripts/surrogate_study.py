@@ -31,6 +31,7 @@ curve is among the parts) and ``outputs/<name>.json``. Finished runs are skipped
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import subprocess
@@ -91,7 +92,9 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
     """A finished extract run folder holding ``source``'s shards with ``train``/``test`` documents; its run id.
 
     The folder is named by the source run's id and the tag, so views of two extracts never share a folder (and
-    a train_surrogate run on one is never taken for a run on the other).
+    a train_surrogate run on one is never taken for a run on the other). Its ``DONE`` names the source's
+    ``DONE`` and the documents chosen, so a train_surrogate run on it sees a redone source or another choice
+    as an input redone since (kvresearch/config_check.py).
     """
     folder = outputs_root() / "extract" / f"study-{run_id(source)}-{tag}"
     manifest = read_json(source / "manifest.json", "Re-run that extract.")
@@ -106,7 +109,9 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
     if not (folder / "shards").exists():
         (folder / "shards").symlink_to(source / "shards", target_is_directory=True)
     write_json(folder / "manifest.json", manifest)
-    write_atomic(folder / "DONE", "study view\n")
+    chosen = hashlib.sha1(json.dumps([sorted(train), sorted(test)]).encode()).hexdigest()[:12]
+    source_done = (source / "DONE").read_text(encoding="utf-8").strip()
+    write_atomic(folder / "DONE", f"study view of {source.name} (finished {source_done}), documents {chosen}\n")
     return run_id(folder)
 
 

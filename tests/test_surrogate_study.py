@@ -58,6 +58,23 @@ def test_views_of_two_extracts_never_share_a_folder(tmp_path: Path, monkeypatch:
         assert torch.equal(h, h_source)
 
 
+def test_a_view_is_stamped_by_its_source_and_its_documents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A train_surrogate run records the view's DONE: a redone source or another choice of documents changes it."""
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    source = extract(tmp_path / "a", seed=0)
+    (source / "DONE").write_text("2026-12-01T10:00:00\n")
+
+    def done_of(train: set[str]) -> str:
+        study.view(source, "t", train, {"d0"})
+        return next((tmp_path / "outputs" / "extract").glob("*/DONE")).read_text()
+
+    first = done_of({"d1", "d2"})
+    assert done_of({"d1", "d2"}) == first  # rebuilt the same: the same stamp
+    assert done_of({"d1"}) != first  # other documents
+    (source / "DONE").write_text("2026-12-02T10:00:00\n")  # the source redone
+    assert done_of({"d1", "d2"}) != first
+
+
 def test_the_curve_trains_prefixes_of_the_other_sources_and_its_end_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
