@@ -159,7 +159,7 @@ def input_changes(out_dir: Path, root: Path) -> list[str]:
 
 
 def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
-    """Refuse a run folder made with other settings than ``cfg`` (unless ``on_config_change=keep``).
+    """Refuse a run folder made with other settings than ``cfg``, or from runs redone since, unless kept.
 
     A folder without a stored config passes: nothing ran there yet.
 
@@ -180,7 +180,6 @@ def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
         f"The run folder {out_dir} was made with other settings than this command's ({len(found)} differ, "
         f"stored -> now: {shown}). A folder is named by the command-line overrides only, so a default changed "
         "in conf/ since, a setting added since, or a run it read redone since under the same name all land in "
-        "the same folder. Redo the run with force=true (it "
-        "empties the folder), or keep it as it is with on_config_change=keep (a finished run is reused, an "
-        "unfinished one resumes under the new settings)."
+        "the same folder. Redo the run with force=true (it empties the folder), or keep it as it is with "
+        "on_config_change=keep (a finished run is reused, an unfinished one resumes under the new settings)."
     )

@@ -43,7 +43,8 @@ def command(cell: experiments.Cell, exp_name: str, args: argparse.Namespace, ext
 
 
 def changed_cells(cells: list[experiments.Cell], root: Path, extra: list[str]) -> dict[experiments.Cell, list[str]]:
-    """The cells whose run folder (finished or not) was made with other settings than today's config gives."""
+    """The cells whose run folder (finished or not) was made with other settings than today's config gives, or
+    from runs redone since; for each, what differs."""
     found = {c: runs.folder_changes(c.folder(root), c.stage, [*c.overrides, *extra]) for c in cells}
     return {c: changes for c, changes in found.items() if changes}
 
@@ -57,9 +58,9 @@ def run(args: argparse.Namespace) -> None:
     if changed and args.on_config_change == "refuse":
         listing = "\n".join(f"  {c.model} {c.row} {c.point}: {'; '.join(found[:3])}" for c, found in changed.items())
         raise SystemExit(
-            f"{len(changed)} cells of {args.name} have run folders made with other settings than today's config "
-            f"(stored -> now):\n{listing}\nRedo them with --on-config-change redo (their folders are emptied), "
-            "or keep them as they are with --on-config-change keep."
+            f"{len(changed)} cells of {args.name} have run folders made with other settings than today's config, "
+            f"or from runs redone since (stored -> now):\n{listing}\nRedo them with --on-config-change redo "
+            "(their folders are emptied), or keep them as they are with --on-config-change keep."
         )
     per_cell = {c: ("force=true" if args.on_config_change == "redo" else "on_config_change=keep",) for c in changed}
     redo = args.on_config_change == "redo"
