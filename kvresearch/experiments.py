@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,12 @@ def excluded_keys() -> frozenset[str]:
     return frozenset(common.hydra.job.config.override_dirname.exclude_keys)
 
 
+def run_folder(root: Path, stage: str, overrides: Sequence[str]) -> Path:
+    """The run folder Hydra gives ``overrides`` of ``stage`` (``conf/common.yaml``: sorted, excluded keys left out)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in excluded_keys()]
+    return Path(root) / stage / run_name(",".join(sorted(kept)))
+
+
 @dataclass(frozen=True)
 class Cell:
     """One run of an experiment: a model, a row (method) and a budget point."""
@@ -80,9 +87,8 @@ class Cell:
     reference: bool = False  # the full-cache row every other row is paired with
 
     def folder(self, root: Path) -> Path:
-        """The run folder Hydra gives these overrides (``conf/common.yaml``: sorted, excluded keys left out)."""
-        kept = [o for o in self.overrides if o.split("=", 1)[0].lstrip("+~") not in excluded_keys()]
-        return Path(root) / self.stage / run_name(",".join(sorted(kept)))
+        """The run folder Hydra gives these overrides."""
+        return run_folder(root, self.stage, self.overrides)
 
 
 def cells(exp: DictConfig, variant: str) -> list[Cell]:

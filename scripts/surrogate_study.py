@@ -40,7 +40,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from kvresearch.experiments import excluded_keys
+from kvresearch.experiments import run_folder
 from kvresearch.runs import (
     folder_changes,
     outputs_root,
@@ -48,7 +48,6 @@ from kvresearch.runs import (
     repo_root,
     resolve_run,
     run_id,
-    run_name,
     write_atomic,
     write_json,
 )
@@ -118,8 +117,7 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
 def train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One train_surrogate run on a view (skipped when finished); its metrics."""
     overrides = [f"paths.extract={extract_id}", f"surrogate={kind}", *extra]
-    named = [o for o in overrides if o.split("=", 1)[0] not in excluded_keys()]  # as Hydra names the folder
-    folder = outputs_root() / "train_surrogate" / run_name(",".join(sorted(named)))
+    folder = run_folder(outputs_root(), "train_surrogate", overrides)
     if not (folder / "DONE").is_file() or folder_changes(folder, "train_surrogate", overrides):
         cmd = [sys.executable, "-m", "kvresearch.stages.train_surrogate", *overrides]
         if subprocess.run(cmd, cwd=repo_root()).returncode != 0:  # the stage's own message is printed above
