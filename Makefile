@@ -53,7 +53,7 @@ test-fast: $(STAMP) ## the suite without the slow (embedded-model, end-to-end) t
 needle: $(STAMP) ## full-cache needle retrieval on the embedded model (outputs/needle/)
 	$(PY) -m kvresearch.stages.needle $(ARGS)
 
-extract: $(STAMP) ## KVzip+ oracle scores -> training shards (outputs/extract/default/, ~25 min on 2 cores)
+extract: $(STAMP) ## KVzip+ oracle scores -> training shards (outputs/extract/default/, ~13 min on 2 cores)
 	$(PY) -m kvresearch.stages.extract $(ARGS)
 
 train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + MLP surrogates on it, the fit table
@@ -61,15 +61,15 @@ train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + M
 	$(PY) -m kvresearch.stages.train_surrogate -m surrogate=linear,mlp $(ARGS)
 	$(PY) scripts/surrogate_table.py --per-layer
 
-surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the default extract (docs/surrogates.md, ~45 min)
+surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the study's extract (docs/surrogates.md, ~45 min + its extract)
 	$(PY) scripts/surrogate_study.py $(ARGS)
 
 surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epochs, lr, weight decay, a second seed (~30 min)
 	$(PY) scripts/surrogate_study.py --parts recipe --name surrogate_recipe $(ARGS)
 
 # Every document the packaged corpora give (2,114), for the learning curve up to all of them; its run folder.
-EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null
-EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null
+EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extract.samples_per_doc=500
+EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null,extract.samples_per_doc=500
 
 surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 (~4 h, 37 GB), fit each point (docs/surrogates.md)
 	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)

@@ -1,8 +1,9 @@
 """Extraction: (attention input, log KVzip+ score) pairs for surrogate training, in resumable shards.
 
 Per document: one forward pass over the repeat prompt (the model keeps its sdpa attention; scores are
-computed from the captured q, k, v in row blocks), then ``samples_per_doc`` random context positions,
-the same for every layer, are stored as hidden states per layer and log KVzip+ per layer and KV head.
+computed from the captured q, k, v in row blocks), then ``samples_per_doc`` random context positions (None:
+every position; the scores cost the same either way), the same for every layer, are stored as hidden states
+per layer and log KVzip+ per layer and KV head.
 Documents stream into shards of whole, consecutive documents (``data/shards.py``). A run resumes from
 its finished shards; a shard found missing or damaged is redone from its documents and comes out the
 same, so re-running a finished run repairs it. Documents that are empty or whose repeat prompt exceeds
@@ -44,8 +45,10 @@ FORMAT = "kvresearch-extract-v2"
 OTHER_JOB = "other_job"  # a part run's status for the documents another job extracts
 
 
-def sample_positions(n_context: int, n_samples: int, seed: int, doc_index: int) -> torch.Tensor:
-    """Sorted random context offsets, a pure function of (seed, document index) so resumes agree."""
+def sample_positions(n_context: int, n_samples: int | None, seed: int, doc_index: int) -> torch.Tensor:
+    """Sorted random context offsets, a pure function of (seed, document index) so resumes agree (None: all)."""
+    if n_samples is None:
+        return torch.arange(n_context)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + doc_index)
     return torch.randperm(n_context, generator=generator)[: min(n_samples, n_context)].sort().values
 
@@ -78,7 +81,7 @@ def prompt_overhead(tokenizer: Any) -> int:
 class Settings:
     """The ``extract`` config group."""
 
-    samples_per_doc: int
+    samples_per_doc: int | None  # None: every context position
     hidden_dtype: str
     rows_per_shard: int
     block: int
@@ -89,7 +92,7 @@ class Settings:
     def from_config(cls, extract: Mapping[str, Any], seed: int, max_context: int) -> Settings:
         """From the ``extract`` group, the run's seed and the model's positions."""
         return cls(
-            int(extract["samples_per_doc"]),
+            None if extract["samples_per_doc"] is None else int(extract["samples_per_doc"]),
             str(extract["hidden_dtype"]),
             int(extract["rows_per_shard"]),
             int(extract["block"]),

@@ -1,6 +1,6 @@
 """What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
 
-    .venv/bin/python scripts/surrogate_probe.py [--extract extract/default] [--left-out essays]
+    .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
         [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--out outputs/surrogate_probe.json]
 
 Each input set is a closed-form ridge per layer (alpha 1, float64, ``kvresearch.ops.ridge``, as
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from sklearn.metrics import r2_score
+from surrogate_study import study_extract  # scripts/
 
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
@@ -89,14 +90,14 @@ def ridge_r2(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: tor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--extract", default="extract/default")
+    parser.add_argument("--extract", default=None, help="an extract run; default: the surrogate study's")
     parser.add_argument("--left-out", default="essays")
     parser.add_argument("--layers", default=None, help="comma-separated; default every layer")
     parser.add_argument("--inputs", default="h,value_norms,position,value_norms+position")
     parser.add_argument("--out", default=str(outputs_root() / "surrogate_probe.json"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    folder = resolve_run(args.extract, "extract")
+    folder = resolve_run(args.extract or study_extract(), "extract")
     run = ExtractRun(folder)
     adapter = ModelAdapter(load_model(OmegaConf.load(folder / "config.yaml").model).model)
     docs = [d for d in run.manifest["documents"] if d["status"] == "done"]

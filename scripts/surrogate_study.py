@@ -1,10 +1,11 @@
 """The surrogate study behind the KVzap paper's R^2 figure, on one extract run: which data and shape generalise.
 
-    .venv/bin/python scripts/surrogate_study.py [--extract extract/default] [--fp32-extract RUN]
+    .venv/bin/python scripts/surrogate_study.py [--extract RUN] [--fp32-extract RUN]
         [--parts loso,curve,mix,width,dtype (and recipe)] [--out docs/results] [--name surrogate_study]
         [--set OVERRIDE ...]
 
-Every point is a real ``train_surrogate`` run (Lightning for the MLP, ridge for the linear map) on a *view* of
+The study runs on its own extract (:data:`STUDY_EXTRACT`, extracted first when not finished; ``--extract`` names
+another). Every point is a real ``train_surrogate`` run (Lightning for the MLP, ridge for the linear map) on a *view* of
 the extract run: a folder ``outputs/extract/study-<extract id>-<tag>`` whose manifest marks which documents
 train and which test (the others are left out), its shards linked to the original ones. Held-out R^2 is
 measured on the test documents: pooled per layer (mean over layers of the R^2 of all heads' scores), per head
@@ -52,6 +53,10 @@ from kvresearch.runs import (
     write_json,
 )
 
+# The study's extract: 60 training and 8 test documents per source, 500 random positions each (what its tables
+# were measured on). The default extract, which the study chose, takes every position of half the training
+# documents: about the same rows (a position is worth about a document here) for half the extraction.
+STUDY_EXTRACT = ("corpus.n_train_per_source=60", "extract.samples_per_doc=500")
 CURVE_START = 15  # the learning curve's first point, in documents of the other sources
 WIDTHS = (36, 144, 288)  # hidden/16, hidden/4, hidden/2 for SmolLM2 (576); hidden/8 = 72 is the default
 MIX_SIZE = 60
@@ -85,6 +90,14 @@ def curve_sizes(n: int, start: int = CURVE_START) -> list[int]:
         sizes.append(start)
         start *= 2
     return [*sizes, n]
+
+
+def study_extract() -> str:
+    """The study extract's run (``extract/<name>``), extracted first; the stage skips a finished run."""
+    cmd = [sys.executable, "-m", "kvresearch.stages.extract", *STUDY_EXTRACT]
+    if subprocess.run(cmd, cwd=repo_root()).returncode != 0:  # the stage's own message is printed above
+        raise SystemExit("The study's extract failed; --extract RUN runs the study on another extract run.")
+    return f"extract/{run_folder(outputs_root(), 'extract', STUDY_EXTRACT).name}"
 
 
 def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
@@ -227,14 +240,14 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--extract", default="extract/default")
+    parser.add_argument("--extract", default=None, help="an extract run; default: the study's (STUDY_EXTRACT)")
     parser.add_argument("--fp32-extract", default=None, help="an extract run with extract.hidden_dtype=float32")
     parser.add_argument("--parts", default="loso,curve,mix,width,dtype", help="also: recipe (make surrogate-recipe)")
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="surrogate_study", help="file names: <out>/<name>.md, <name>_curve.png")
     parser.add_argument("--set", nargs="*", default=[], help="overrides for every run: surrogate.weight_decay=0.01")
     args = parser.parse_args()
-    source = resolve_run(args.extract, "extract")
+    source = resolve_run(args.extract or study_extract(), "extract")
     fp32 = resolve_run(args.fp32_extract, "extract") if args.fp32_extract else None
     results = points(source, args.parts.split(","), fp32, tuple(args.set))
     write_json(outputs_root() / f"{args.name}.json", results)

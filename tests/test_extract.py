@@ -37,6 +37,14 @@ def test_sample_positions_are_sorted_unique_and_reproducible() -> None:
     assert p.tolist() == sorted(set(p.tolist())) and len(p) == 40 and int(p.max()) < 100
     assert p.tolist() == sample_positions(100, 40, seed=0, doc_index=3).tolist()
     assert sample_positions(10, 40, seed=0, doc_index=3).tolist() == list(range(10))
+    assert sample_positions(10, None, seed=0, doc_index=3).tolist() == list(range(10))
+
+
+def test_the_positions_per_document_follow_the_corpus_unless_set() -> None:
+    positions = lambda *o: compose_stage("extract", None, list(o)).extract.samples_per_doc
+    assert positions() is None  # the packaged prose: every position of fewer documents
+    assert positions("corpus=nemotron_sample") == 500  # the reference corpus: 500 of each of 4,500 documents
+    assert positions("corpus=nemotron_sample", "extract.samples_per_doc=100") == 100
 
 
 @pytest.mark.slow

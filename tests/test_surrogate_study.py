@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvresearch.experiments import run_folder
 from kvresearch.runs import CONF_DIR
 from kvresearch.surrogate.data import ExtractRun
-from tests.helpers import synthetic_extract
+from tests.helpers import compose_stage, synthetic_extract
 
 spec = importlib.util.spec_from_file_location("surrogate_study", CONF_DIR.parent / "scripts" / "surrogate_study.py")
 assert spec is not None and spec.loader is not None
@@ -30,6 +31,14 @@ def test_the_curve_doubles_from_15_and_ends_at_every_document(n: int) -> None:
     assert all(b == 2 * a for a, b in itertools.pairwise(sizes[:-1]))  # doubling before the last
     if len(sizes) > 1:
         assert sizes[0] == 15 and 1.5 * sizes[-2] <= n < 3 * sizes[-2]  # no near-duplicate of the last point
+
+
+def test_the_study_runs_on_the_extract_its_tables_were_measured_on(tmp_path: Path) -> None:
+    cfg = compose_stage("extract", None, [*study.STUDY_EXTRACT, f"paths.root={tmp_path}"])
+    assert (cfg.corpus.n_train_per_source, cfg.corpus.n_test_per_source, cfg.extract.samples_per_doc) == (60, 8, 500)
+    assert cfg.out_dir == str(run_folder(tmp_path, "extract", study.STUDY_EXTRACT))  # the folder it then reads
+    default = compose_stage("extract", None, [])
+    assert default.corpus.n_train_per_source == 30 and default.extract.samples_per_doc is None  # what it chose
 
 
 def extract(folder: Path, seed: int, n_docs: int = 30) -> Path:
