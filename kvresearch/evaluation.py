@@ -144,6 +144,11 @@ def calibrate(session: Session, method: Method, held_out: list[Sample], settings
     return {"held_out": [s.key for s in held_out], **dataclasses.asdict(result)}
 
 
+def _mean(records: list[dict[str, Any]], key: str) -> float:
+    """The mean of ``key`` over ``records`` (0 for none)."""
+    return sum(float(r[key]) for r in records) / max(len(records), 1)
+
+
 def evaluate(
     session: Session,
     method: Method,
@@ -160,6 +165,7 @@ def evaluate(
     predictions = Predictions(out_dir / "predictions.jsonl")
     done = predictions.load()
     bar = Progress(len(samples), f"evaluate {method.name}", unit="sample")
+    seen: list[dict[str, Any]] = []  # every answer so far, for the running means on the bar
     for sample, sample_prompts in zip(samples, prompts, strict=True):
         todo = [i for i in range(len(sample.questions)) if sample.record_id(i) not in done]
         cache, compress_s = None, 0.0
@@ -224,7 +230,8 @@ def evaluate(
             done[record["id"]] = record
             if tracker is not None:
                 tracker.log({"score": record["score"], "prune_ratio": record["prune_ratio"]})
-        bar.update(1, score=f"{done[sample.record_id(0)]['score']:.2f}")
+        seen += [done[sample.record_id(i)] for i in range(len(sample.questions))]
+        bar.update(1, mean_score=f"{_mean(seen, 'score'):.3f}", mean_prune=f"{_mean(seen, 'prune_ratio'):.3f}")
     bar.close()
     wanted = {s.record_id(i) for s in samples for i in range(len(s.questions))}
     records = [r for rid, r in done.items() if rid in wanted]

@@ -27,9 +27,11 @@ def lines(folder: Path) -> list[dict]:
     return [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
 
 
-def test_full_cache_writes_predictions_and_resumes_keeping_every_valid_line(tmp_path: Path) -> None:
+def test_full_cache_writes_predictions_and_resumes_keeping_every_valid_line(tmp_path: Path, capsys) -> None:
     metrics = evaluate(tmp_path, "method=full")
     folder = tmp_path / "evaluate" / metrics["run"]["name"]
+    mean = sum(r["score"] for r in lines(folder)) / 2  # the bar ends on the running means over every answer
+    assert f"[evaluate full] 2/2 mean_score={mean:.3f} mean_prune=0.000" in capsys.readouterr().out
     assert set(metrics["tasks"]) == {"niah_single_1@1024", "fwe@1024"}
     assert metrics["overall"]["prune_ratio"] == 0.0 and metrics["overall"]["agreement"] == 1.0
     assert metrics["full_answers_from"] == {"self": 2} and metrics["method"]["class"] == "FullCache"
