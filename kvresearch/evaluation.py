@@ -144,11 +144,6 @@ def calibrate(session: Session, method: Method, held_out: list[Sample], settings
     return {"held_out": [s.key for s in held_out], **dataclasses.asdict(result)}
 
 
-def _mean(records: list[dict[str, Any]], key: str) -> float:
-    """The mean of ``key`` over ``records`` (0 for none)."""
-    return sum(float(r[key]) for r in records) / max(len(records), 1)
-
-
 def evaluate(
     session: Session,
     method: Method,
@@ -165,7 +160,7 @@ def evaluate(
     predictions = Predictions(out_dir / "predictions.jsonl")
     done = predictions.load()
     bar = Progress(len(samples), f"evaluate {method.name}", unit="sample")
-    seen: list[dict[str, Any]] = []  # every answer so far, for the running means on the bar
+    n_answers, score_sum, prune_sum = 0, 0.0, 0.0  # over every answer so far: the running means on the bar
     for sample, sample_prompts in zip(samples, prompts, strict=True):
         todo = [i for i in range(len(sample.questions)) if sample.record_id(i) not in done]
         cache, compress_s = None, 0.0
@@ -230,8 +225,11 @@ def evaluate(
             done[record["id"]] = record
             if tracker is not None:
                 tracker.log({"score": record["score"], "prune_ratio": record["prune_ratio"]})
-        seen += [done[sample.record_id(i)] for i in range(len(sample.questions))]
-        bar.update(1, mean_score=f"{_mean(seen, 'score'):.3f}", mean_prune=f"{_mean(seen, 'prune_ratio'):.3f}")
+        answered = [done[sample.record_id(i)] for i in range(len(sample.questions))]
+        n_answers += len(answered)
+        score_sum += sum(float(r["score"]) for r in answered)
+        prune_sum += sum(float(r["prune_ratio"]) for r in answered)
+        bar.update(1, mean_score=f"{score_sum / n_answers:.3f}", mean_prune=f"{prune_sum / n_answers:.3f}")
     bar.close()
     wanted = {s.record_id(i) for s in samples for i in range(len(s.questions))}
     records = [r for rid, r in done.items() if rid in wanted]
