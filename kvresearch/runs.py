@@ -99,23 +99,24 @@ def is_done(out_dir: Path) -> bool:
 
 
 def resolve_run(ref: str | Path, stage: str, root: str | Path | None = None) -> Path:
-    """The finished run folder that ``ref`` names: a folder (absolute or relative to ``root``) or a run id.
+    """The finished run folder that ``ref`` names: a folder (absolute, under ``root`` or ``root/stage``) or a run id.
 
     Raises:
         KVResearchError: no such run, or the run is not finished; the message lists the finished runs.
     """
     root = Path(root) if root is not None else outputs_root()
     text = str(ref).strip()
-    candidates = [Path(text).expanduser()] if Path(text).is_absolute() else [root / text, Path.cwd() / text]
+    path = Path(text).expanduser()
+    candidates = [path] if path.is_absolute() else [root / text, root / stage / text, Path.cwd() / text]
     folder = next((c for c in candidates if c.is_dir()), None)
     if folder is None and RUN_ID.fullmatch(text):
         folder = next((p for p in sorted(root.glob(f"{stage}/*")) if p.is_dir() and run_id(p) == text), None)
     finished = sorted(p.parent for p in root.glob(f"{stage}/*/DONE"))
-    listing = "; ".join(f"{p.name} (id {run_id(p)})" for p in finished[:12]) or "none"
+    listing = "; ".join(f"{stage}/{p.name} (id {run_id(p)})" for p in finished[:12]) or "none"
     if folder is None:
         raise KVResearchError(
-            f"No {stage} run '{text}' under {root}: pass a run folder (absolute, or relative to the outputs root) "
-            f"or a run id. Finished {stage} runs there: {listing}."
+            f"No {stage} run '{text}' under {root}: pass a run folder (absolute, relative to the outputs root, "
+            f"or its name under {stage}/) or a run id. Finished {stage} runs there: {listing}."
         )
     if not is_done(folder):
         raise KVResearchError(

@@ -183,9 +183,11 @@ def test_runs_are_referenced_by_folder_or_id_and_must_be_finished(tmp_path: Path
         resolve_run("train_surrogate/surrogate.lr=0.001,surrogate=mlp", "train_surrogate", tmp_path) == done.resolve()
     )
     assert resolve_run(str(done), "train_surrogate", tmp_path) == done.resolve()
+    assert resolve_run("surrogate.lr=0.001,surrogate=mlp", "train_surrogate", tmp_path) == done.resolve()
     with pytest.raises(KVResearchError, match=r"not finished \(no DONE\)"):
         resolve_run("train_surrogate/surrogate=linear", "train_surrogate", tmp_path)
-    with pytest.raises(KVResearchError, match=rf"No train_surrogate run 'ffffffff'.*surrogate=mlp \(id {rid}\)"):
+    listed = rf"runs there: train_surrogate/surrogate\.lr=0\.001,surrogate=mlp \(id {rid}\)\."  # as it can be passed
+    with pytest.raises(KVResearchError, match=rf"No train_surrogate run 'ffffffff'.*{listed}"):
         resolve_run("ffffffff", "train_surrogate", tmp_path)
 
 
