@@ -1,11 +1,13 @@
 """What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
 
     .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
-        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--out outputs/surrogate_probe.json]
+        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--alphas 1,100,...]
+        [--out outputs/surrogate_probe.json]
 
-Each input set is a closed-form ridge per layer (alpha 1, float64, ``kvresearch.ops.ridge``, as
-``surrogate=linear``) trained on every document of the other sources and tested on all of ``--left-out``;
-held-out R^2 pooled per layer (the surrogate study's measure), mean over the chosen layers:
+Each input set is a closed-form ridge per layer (float64, ``kvresearch.ops.ridge``, as ``surrogate=linear``;
+alpha 1 as its default, or each of ``--alphas``, solved from the same statistics) trained on every document
+of the other sources and tested on all of ``--left-out``; held-out R^2 pooled per layer (the surrogate
+study's measure), mean over the chosen layers:
 
 * ``h``: the surrogate's own input, the attention input h_i (the baseline; equals the study's linear point);
 * ``value_norms``: h_i and the exact log ||v_i W_O^g|| of every query head g (the KVzip+ score's second
@@ -79,13 +81,18 @@ def features(split: Split, layer: int, which: str, adapter: ModelAdapter) -> tor
     return torch.cat([split.h[:, layer], *(extra(split, layer, name, adapter) for name in which.split("+"))], 1)
 
 
-def ridge_r2(x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor) -> float:
-    """Held-out R^2 (pooled over heads and rows) of a ridge fit, alpha 1."""
+def ridge_r2(
+    x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor, alphas: list[float]
+) -> list[float]:
+    """Held-out R^2 (pooled over heads and rows) of a ridge fit at each of ``alphas``; x (rows, features)."""
     acc = RidgeAccumulator(1, x.shape[1], y.shape[1])
     acc.update(x[:, None], y[:, None])
-    weights, bias = acc.solve(1.0)
-    pred = x_test.double() @ weights[0] + bias[0]
-    return float(r2_score(y_test.double().numpy().ravel(), pred.numpy().ravel()))
+    truth = y_test.double().numpy().ravel()
+    r2 = []
+    for alpha in alphas:
+        weights, bias = acc.solve(alpha)
+        r2.append(float(r2_score(truth, (x_test.double() @ weights[0] + bias[0]).numpy().ravel())))
+    return r2
 
 
 def main() -> None:
@@ -94,8 +101,10 @@ def main() -> None:
     parser.add_argument("--left-out", default="essays")
     parser.add_argument("--layers", default=None, help="comma-separated; default every layer")
     parser.add_argument("--inputs", default="h,value_norms,position,value_norms+position")
+    parser.add_argument("--alphas", default="1", help="ridge penalties, comma-separated (1: surrogate=linear's)")
     parser.add_argument("--out", default=str(outputs_root() / "surrogate_probe.json"))
     args = parser.parse_args()
+    alphas = [float(a) for a in args.alphas.split(",")]
     torch.set_num_threads(max(1, torch.get_num_threads()))
     folder = resolve_run(args.extract or study_extract(), "extract")
     run = ExtractRun(folder)
@@ -107,14 +116,17 @@ def main() -> None:
     test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out})
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
     inputs = args.inputs.split(",")
-    per_layer: dict[str, list[float]] = {which: [] for which in inputs}
+    label = {(w, a): w if len(alphas) == 1 else f"{w}@alpha={a:g}" for w in inputs for a in alphas}
+    per_layer: dict[str, list[float]] = {name: [] for name in label.values()}
     for layer in layers:
         for which in inputs:
             x, x_test = features(train, layer, which, adapter), features(test, layer, which, adapter)
-            per_layer[which].append(ridge_r2(x, train.y[:, layer], x_test, test.y[:, layer]))
+            r2 = ridge_r2(x, train.y[:, layer], x_test, test.y[:, layer], alphas)
+            for alpha, value in zip(alphas, r2, strict=True):
+                per_layer[label[which, alpha]].append(value)
         print(f"[probe] layer {layer}: " + " ".join(f"{w} {v[-1]:.3f}" for w, v in per_layer.items()), flush=True)
     result: dict[str, Any] = {
-        "extract": str(folder), "left_out": args.left_out, "layers": layers,
+        "extract": str(folder), "left_out": args.left_out, "layers": layers, "alphas": alphas,
         "rows": {"train": len(train.y), "test": len(test.y)},
         "both_neighbours_share": {"train": train.both_neighbours, "test": test.both_neighbours},
         "r2_pooled_per_layer": per_layer, "mean": {w: float(np.mean(v)) for w, v in per_layer.items()},
