@@ -57,9 +57,10 @@ def test_the_probe_credits_value_norms_neighbours_and_position_to_the_parts_they
         assert mean["h"] + 0.2 < mean[part] < mean["value_norms+neighbours+position"] - 0.2, part
 
     # --alphas solves each penalty from the same statistics: alpha 1 is the run above, a huge one the mean
-    cmd = [*cmd[:3], str(folder), "--inputs", "neighbours", "--alphas", "1,1e12", "--out", str(tmp_path / "alphas.json")]
+    out = tmp_path / "alphas.json"
+    cmd = [*cmd[:3], str(folder), "--inputs", "neighbours", "--alphas", "1,1e12", "--out", str(out)]
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    by_alpha = json.loads((tmp_path / "alphas.json").read_text())["mean"]
+    by_alpha = json.loads(out.read_text())["mean"]
     assert abs(by_alpha["neighbours@alpha=1"] - mean["neighbours"]) < 1e-9
     assert abs(by_alpha["neighbours@alpha=1e+12"]) < 0.01  # every weight shrunk to about 0: the training mean
