@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
         [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--alphas 1,100,...]
-        [--out outputs/surrogate_probe.json]
+        [--fit ridge|mlp] [--out outputs/surrogate_probe.json]
 
 Each input set is a closed-form ridge per layer (float64, ``kvresearch.ops.ridge``, as ``surrogate=linear``;
 alpha 1 as its default, or each of ``--alphas``, solved from the same statistics) trained on every document
@@ -16,7 +16,13 @@ study's measure), mean over the chosen layers:
   above the document length; rows whose neighbour was not sampled use their own h, and the share that had
   both neighbours is reported);
 * ``position``: h_i and log(1 + i), the offset inside the document;
-* ``a+b``: h_i and what both add (``value_norms+position``).
+* ``a+b``: h_i and what both add (``value_norms+position``);
+* ``factored`` (``--fit mlp`` only): the MLP reads h_i alone and predicts one term per query head g; the exact
+  log ||v_i W_O^g|| is added to it and the group's max taken as a logsumexp, the KVzip+ score's own form.
+
+``--fit mlp`` trains the recipe's MLP instead (``conf/surrogate/mlp.yaml``: width D/8, AdamW, cosine, its
+weight decay, epochs and batch; Lightning, all chosen layers at once, as ``train_surrogate`` does) on the
+same inputs, without a validation split.
 
 Written to ``--out`` (JSON: per layer and mean per input set); the numbers are quoted in docs/surrogates.md.
 """
@@ -24,22 +30,26 @@ Written to ``--out`` (JSON: per layer and mean per input set); the numbers are q
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy as np
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from sklearn.metrics import r2_score
 from surrogate_study import study_extract  # scripts/
 
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.ops.scores import value_output_norms
-from kvresearch.runs import outputs_root, resolve_run, write_json
+from kvresearch.runs import outputs_root, repo_root, resolve_run, write_json
 from kvresearch.surrogate.data import ExtractRun
+from kvresearch.surrogate.lightning import SurrogateModule
+from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
 
-INPUTS = ("h", "value_norms", "neighbours", "position")
+INPUTS = ("h", "value_norms", "neighbours", "position", "factored")
 
 
 class Split:
@@ -64,7 +74,7 @@ def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.T
     h = split.h[:, layer]
     if name == "h":
         return h[:, :0]
-    if name == "value_norms":
+    if name in ("value_norms", "factored"):
         with torch.no_grad():
             _, _, v = adapter.project(layer, h[None])  # v: (1, Hkv, rows, d)
             norms = value_output_norms(v[0], adapter.output_weight(layer).float())  # (Hkv, G, rows)
@@ -81,6 +91,32 @@ def features(split: Split, layer: int, which: str, adapter: ModelAdapter) -> tor
     return torch.cat([split.h[:, layer], *(extra(split, layer, name, adapter) for name in which.split("+"))], 1)
 
 
+def stacked(split: Split, layers: list[int], which: str, adapter: ModelAdapter) -> torch.Tensor:
+    """(rows, len(layers), features) of one input set at every chosen layer."""
+    first = features(split, layers[0], which, adapter)
+    out = first.new_empty(len(first), len(layers), first.shape[1])
+    out[:, 0] = first
+    for i, layer in enumerate(layers[1:], 1):
+        out[:, i] = features(split, layer, which, adapter)
+    return out
+
+
+class Factored(torch.nn.Module):
+    """log KVzip+ as logsumexp over g of (an MLP's term for query head g + the exact log ||v W_O^g||).
+
+    Input (rows, layers, D + Hkv G): h, then the log norms; output (rows, layers, Hkv).
+    """
+
+    def __init__(self, mlp: Surrogate, hidden: int, kv_heads: int):
+        super().__init__()
+        self.mlp, self.hidden, self.kv_heads = mlp, hidden, kv_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, log_norms = x[..., : self.hidden], x[..., self.hidden :]
+        terms = (self.mlp(h) + log_norms).unflatten(-1, (self.kv_heads, -1))  # (rows, layers, Hkv, G)
+        return terms.logsumexp(-1)
+
+
 def ridge_r2(
     x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor, alphas: list[float]
 ) -> list[float]:
@@ -95,6 +131,43 @@ def ridge_r2(
     return r2
 
 
+def mlp_r2(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    recipe: DictConfig,
+    hidden: int,
+    factored: bool,
+) -> list[float]:
+    """Held-out R^2 per layer (pooled over heads and rows) of the recipe's MLP, all layers trained at once.
+
+    x: (rows, layers, features), h's ``hidden`` (D) columns first; y: (rows, layers, Hkv). The width is the
+    recipe's (D/8 unless it sets one) whatever the inputs. ``factored``: the columns after h are the log
+    norms that :class:`Factored` adds to the MLP's terms, one per query head.
+    """
+    layers, features, kv_heads = x.shape[1], x.shape[2], y.shape[2]
+    width = int(recipe.mlp_hidden or hidden // 8)
+    L.seed_everything(0, verbose=False)  # the initial weights and the order
+    if factored:
+        mlp = Surrogate(SurrogateConfig("mlp", layers, hidden, features - hidden, width))
+        net: torch.nn.Module = Factored(mlp, hidden, kv_heads)
+    else:
+        net = Surrogate(SurrogateConfig("mlp", layers, features, kv_heads, width))
+    data = torch.utils.data.TensorDataset(x, y)  # indexed a batch at a time (a list of rows), not row by row
+    order = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), int(recipe.batch_size), False)
+    batches = torch.utils.data.DataLoader(data, sampler=order, batch_size=None)
+    module = SurrogateModule(net, float(recipe.lr), float(recipe.weight_decay), int(recipe.epochs))  # type: ignore[arg-type]
+    trainer = L.Trainer(
+        max_epochs=int(recipe.epochs), gradient_clip_val=float(recipe.grad_clip), logger=False, accelerator="cpu",
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, batches)
+    with torch.no_grad():
+        pred = torch.cat([net(chunk) for chunk in x_test.split(4096)])
+    return [float(r2_score(y_test[:, i].numpy().ravel(), pred[:, i].numpy().ravel())) for i in range(layers)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extract", default=None, help="an extract run; default: the surrogate study's")
@@ -102,9 +175,14 @@ def main() -> None:
     parser.add_argument("--layers", default=None, help="comma-separated; default every layer")
     parser.add_argument("--inputs", default="h,value_norms,position,value_norms+position")
     parser.add_argument("--alphas", default="1", help="ridge penalties, comma-separated (1: surrogate=linear's)")
+    parser.add_argument("--fit", choices=("ridge", "mlp"), default="ridge")
+    parser.add_argument("--set", nargs="*", default=[], help="--fit mlp: recipe overrides, e.g. weight_decay=0.01")
     parser.add_argument("--out", default=str(outputs_root() / "surrogate_probe.json"))
     args = parser.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
+    inputs = args.inputs.split(",")
+    if any("factored" in w.split("+") and (w != "factored" or args.fit != "mlp") for w in inputs):
+        raise SystemExit("'factored' is an MLP's form: pass it alone, with --fit mlp ('value_norms' gives ridge them)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     folder = resolve_run(args.extract or study_extract(), "extract")
     run = ExtractRun(folder)
@@ -115,10 +193,20 @@ def main() -> None:
     train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out})
     test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out})
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
-    inputs = args.inputs.split(",")
     label = {(w, a): w if len(alphas) == 1 else f"{w}@alpha={a:g}" for w in inputs for a in alphas}
-    per_layer: dict[str, list[float]] = {name: [] for name in label.values()}
-    for layer in layers:
+    per_layer: dict[str, list[float]] = {name: [] for name in label.values()} if args.fit == "ridge" else {}
+    recipe = OmegaConf.load(repo_root() / "conf/surrogate/mlp.yaml")
+    assert isinstance(recipe, DictConfig)
+    recipe.merge_with_dotlist(args.set)
+    for which in inputs if args.fit == "mlp" else []:
+        x, x_test = (stacked(split, layers, which, adapter) for split in (train, test))
+        factored = which == "factored"
+        y, y_test = train.y[:, layers], test.y[:, layers]
+        per_layer[which] = mlp_r2(x, y, x_test, y_test, recipe, adapter.hidden_size, factored)
+        del x, x_test  # before the next input set's copies (Lightning's trainer holds them in a cycle)
+        gc.collect()
+        print(f"[probe] mlp on {which}: " + " ".join(f"{v:.3f}" for v in per_layer[which]), flush=True)
+    for layer in layers if args.fit == "ridge" else []:
         for which in inputs:
             x, x_test = features(train, layer, which, adapter), features(test, layer, which, adapter)
             r2 = ridge_r2(x, train.y[:, layer], x_test, test.y[:, layer], alphas)
@@ -126,7 +214,8 @@ def main() -> None:
                 per_layer[label[which, alpha]].append(value)
         print(f"[probe] layer {layer}: " + " ".join(f"{w} {v[-1]:.3f}" for w, v in per_layer.items()), flush=True)
     result: dict[str, Any] = {
-        "extract": str(folder), "left_out": args.left_out, "layers": layers, "alphas": alphas,
+        "extract": str(folder), "left_out": args.left_out, "layers": layers, "fit": args.fit,
+        **({"recipe": OmegaConf.to_container(recipe)} if args.fit == "mlp" else {"alphas": alphas}),
         "rows": {"train": len(train.y), "test": len(test.y)},
         "both_neighbours_share": {"train": train.both_neighbours, "test": test.both_neighbours},
         "r2_pooled_per_layer": per_layer, "mean": {w: float(np.mean(v)) for w, v in per_layer.items()},
