@@ -38,6 +38,7 @@ import lightning as L
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from sklearn.metrics import r2_score
 from surrogate_study import study_extract  # scripts/
 
@@ -182,7 +183,15 @@ def main() -> None:
     alphas = [float(a) for a in args.alphas.split(",")]
     inputs = args.inputs.split(",")
     if any("factored" in w.split("+") and (w != "factored" or args.fit != "mlp") for w in inputs):
-        raise SystemExit("'factored' is an MLP's form: pass it alone, with --fit mlp ('value_norms' gives ridge them)")
+        raise SystemExit("'factored' is a form of the MLP: pass it alone, with --fit mlp (ridge: 'value_norms')")
+    recipe = OmegaConf.load(repo_root() / "conf/surrogate/mlp.yaml")
+    assert isinstance(recipe, DictConfig)
+    OmegaConf.set_struct(recipe, True)  # a misspelt --set key is an error, not a new key
+    try:
+        recipe.merge_with_dotlist(args.set)
+    except (ConfigAttributeError, ConfigKeyError) as error:
+        message = str(error).splitlines()[0]
+        raise SystemExit(f"--set: {message}; the recipe's keys: {', '.join(map(str, recipe))}") from error
     torch.set_num_threads(max(1, torch.get_num_threads()))
     folder = resolve_run(args.extract or study_extract(), "extract")
     run = ExtractRun(folder)
@@ -195,9 +204,6 @@ def main() -> None:
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
     label = {(w, a): w if len(alphas) == 1 else f"{w}@alpha={a:g}" for w in inputs for a in alphas}
     per_layer: dict[str, list[float]] = {name: [] for name in label.values()} if args.fit == "ridge" else {}
-    recipe = OmegaConf.load(repo_root() / "conf/surrogate/mlp.yaml")
-    assert isinstance(recipe, DictConfig)
-    recipe.merge_with_dotlist(args.set)
     for which in inputs if args.fit == "mlp" else []:
         x, x_test = (stacked(split, layers, which, adapter) for split in (train, test))
         factored = which == "factored"

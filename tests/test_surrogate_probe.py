@@ -93,3 +93,6 @@ def test_the_factored_mlp_fits_a_target_of_the_kvzip_plus_form_that_a_plain_mlp_
     bad = [sys.executable, "scripts/surrogate_probe.py", "--inputs", "factored"]  # ridge: refused before loading
     done = subprocess.run(bad, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "--fit mlp" in done.stderr
+    typo = [*bad[:2], "--extract", str(tmp_path / "extract"), "--fit", "mlp", "--set", "weightdecay=0"]
+    done = subprocess.run(typo, cwd=repo_root(), capture_output=True, text=True)
+    assert done.returncode != 0 and "weightdecay" in done.stderr and "weight_decay" in done.stderr
