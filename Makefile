@@ -75,7 +75,7 @@ surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: e
 	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)
 	$(PY) scripts/surrogate_study.py --extract $(EXTRACT_ALL_RUN) --parts curve --name surrogate_curve_all $(ARGS)
 
-surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min)
+surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min; ARGS='--fit mlp' for the MLP)
 	$(PY) scripts/surrogate_probe.py $(ARGS)
 
 evaluate: $(STAMP) ## one evaluate run: make evaluate ARGS="method=kvzap_mlp method.threshold=-4"
