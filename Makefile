@@ -169,7 +169,7 @@ EXPERIMENTS := $(basename $(notdir $(wildcard conf/experiment/*.yaml)))
 experiment-%: $(STAMP) ## run the missing cells of conf/experiment/<name>.yaml (VARIANT=twin|hub), e.g. make experiment-kvzap_ruler
 	$(PY) scripts/experiment.py run $* --variant $(VARIANT) $(EXP_ARGS)
 
-table-%: $(STAMP) ## rebuild an experiment's table (.md, .tex) and figure (.png, .pdf); unfinished cells print "not run"
+table-%: $(STAMP) ## rebuild an experiment's table (.md, .tex) and figure (.png, .pdf) from run folders and run records (docs/results/runs/); unfinished cells print "not run"
 	$(PY) scripts/experiment.py table $* --variant $(VARIANT)
 
 tables: $(STAMP) ## every evaluate run -> docs/results/<benchmark>_table.md and <benchmark>_curve.png

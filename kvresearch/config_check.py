@@ -114,16 +114,34 @@ def run_changes(out_dir: Path, cfg: DictConfig, checkout: Path) -> list[str] | N
     return changes(stored, now, stored_roots, current_roots) + input_changes(out_dir, Path(root))
 
 
+def done_stamp(folder: Path) -> str | None:
+    """The ``DONE`` stamp of the finished run ``folder``, else of its run record, else None.
+
+    A run record (:mod:`kvresearch.records`) stands for a run that finished on another machine.
+    """
+    from kvresearch import records  # records builds on this module
+
+    try:
+        return (Path(folder) / "DONE").read_text(encoding="utf-8").strip()
+    except OSError:
+        record = records.read(records.path_of(records.records_root(), Path(folder)))
+        return None if record is None else str(record["done"])
+
+
 def note_input(folder: Path, root: str | Path) -> Path:
     """Record that the running stage reads the finished run ``folder`` (under ``root``, the outputs root).
 
-    The runner keeps the record in the run's metrics (``inputs``: each folder with the stamp of its ``DONE``),
-    so a later run can tell when one of them was redone since (:func:`input_changes`). Returns ``folder``.
+    The runner keeps the record in the run's metrics (``inputs``: each folder with the stamp of its ``DONE``,
+    or of its run record), so a later run can tell when one of them was redone since (:func:`input_changes`).
+    Returns ``folder``.
     """
     folder = Path(folder).resolve()
     base = Path(root).resolve()
     key = str(folder.relative_to(base)) if folder.is_relative_to(base) else str(folder)
-    _INPUTS[key] = (folder / "DONE").read_text(encoding="utf-8").strip()
+    stamp = done_stamp(folder)
+    if stamp is None:
+        raise KVResearchError(f"{folder} is not a finished run (no DONE, no run record): run it first.")
+    _INPUTS[key] = stamp
     return folder
 
 
@@ -146,15 +164,22 @@ def input_changes(out_dir: Path, root: Path) -> list[str]:
         inputs = json.loads((Path(out_dir) / "metrics.json").read_text(encoding="utf-8")).get("inputs") or {}
     except (OSError, ValueError, AttributeError):  # unfinished, or damaged: the run itself redoes what it must
         return []
+    return inputs_changed(inputs, root)
+
+
+def inputs_changed(inputs: Mapping[str, str], root: Path, unknown_ok: bool = False) -> list[str]:
+    """``input <run>: <DONE then> -> <DONE now>`` for each of ``inputs`` that was redone since.
+
+    ``inputs``: run folder (absolute, or under ``root``) -> the ``DONE`` stamp it was read at; each is looked
+    up as a run folder here, else as a run record. One found nowhere counts as changed unless ``unknown_ok``.
+    """
     found = []
     for ref, stamp in sorted(inputs.items()):
-        folder = Path(ref) if Path(ref).is_absolute() else Path(root) / ref
-        try:
-            now = (folder / "DONE").read_text(encoding="utf-8").strip()
-        except OSError:
-            now = ABSENT
+        now = done_stamp(Path(ref) if Path(ref).is_absolute() else Path(root) / ref)
+        if now is None and unknown_ok:
+            continue
         if now != stamp:
-            found.append(f"input {ref}: finished {stamp} -> {now if now == ABSENT else 'redone ' + now}")
+            found.append(f"input {ref}: finished {stamp} -> {ABSENT if now is None else 'redone ' + now}")
     return found
 
 

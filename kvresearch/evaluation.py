@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvresearch import records
 from kvresearch.answering import Answer, Settings, check_lengths, prompts_of, respond
 from kvresearch.benchmarks.metrics import METRICS
 from kvresearch.benchmarks.sample import Question, Sample
@@ -104,21 +105,31 @@ def find_reference(explicit: str | None, out_dir: Path, root: Path) -> Path | No
     """The finished ``method=full`` run to take full-cache answers from, or None.
 
     ``explicit``: a run folder or id (``evaluate.reference_run``); None: the run named by this run's model,
-    benchmark and evaluate overrides with ``method=full`` (or the default method), if it is finished.
+    benchmark and evaluate overrides with ``method=full`` (or the default method), if it is finished here or,
+    failing that, recorded (:mod:`kvresearch.records`: it finished on another machine).
     """
     if explicit:
         return resolve_run(explicit, "evaluate", root)
     # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
     merged = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS[:1])
     whole = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS)
-    found = next((p for p in [*merged, *whole] if is_done(p) and p != out_dir), None)
+    candidates = [p for p in [*merged, *whole] if p != out_dir]
+    found = next((p for p in candidates if is_done(p)), None)
+    if found is None:
+        found = next((p for p in candidates if records.read(records.path_of(records.records_root(), p))), None)
+        if found is not None:
+            print(f"[kvresearch] full-cache answers from the run record of {found.name}", flush=True)
     return note_input(found, root) if found is not None else None
 
 
 def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Records of a finished full-cache run, after checking it was made under the same settings as ``expect``."""
+    """Records of a finished full-cache run, after checking it was made under the same settings as ``expect``.
+
+    From its run folder, else from its run record (:mod:`kvresearch.records`).
+    """
     fix = f"Re-run that method=full run with force=true, or set evaluate.reference_run to another run ({folder})."
-    recorded = read_json(folder / "metrics.json", fix)
+    record = None if is_done(folder) else records.read(records.path_of(records.records_root(), folder))
+    recorded = record["metrics"] if record is not None else read_json(folder / "metrics.json", fix)
     if (recorded.get("method") or {}).get("class") != "FullCache":
         raise KVResearchError(
             f"The reference run {folder} is not a full-cache run (method={recorded.get('method')}). {fix}"
@@ -132,6 +143,8 @@ def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict
                 f"The reference run {folder} was made under other settings ({shown}): its answers are not this "
                 f"run's full-cache answers. {fix}"
             )
+    if record is not None:
+        return {str(r["id"]): r for r in record["predictions"]}
     return Predictions(folder / "predictions.jsonl").load()
 
 

@@ -4,8 +4,9 @@ An experiment has variants: ``hub`` (the paper's models and grid, for a GPU clus
 shape on the embedded model and offline data, sized for 2 CPU cores). A variant lists models, overrides
 shared by every run, and rows (a method with its own overrides, swept over budget points). Every
 (model, row, point) is a :class:`Cell` whose run folder is named exactly as Hydra names it from the
-cell's overrides, so a table is rebuilt from run folders alone: a finished cell gives its numbers, any
-other prints "not run". ``scripts/experiment.py`` runs the missing cells and writes the tables.
+cell's overrides, so a table is rebuilt from run folders alone (or, for a cell run on another machine,
+its run record, :mod:`kvresearch.records`): a finished cell gives its numbers, any other prints "not run".
+``scripts/experiment.py`` runs the missing cells and writes the tables.
 
 Statistics per cell (``kind: curve``): answers, the measured prune ratio, the mean of ``metric`` with a
 bootstrap 95% interval, and the paired difference against the full-cache cell of the same model (the
@@ -25,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvresearch import records as run_records
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import CONF_DIR, is_done, run_name
 from kvresearch.stats import Interval, bootstrap_mean, paired_difference
@@ -86,6 +88,11 @@ class Cell:
     overrides: tuple[str, ...]
     reference: bool = False  # the full-cache row every other row is paired with
 
+    @property
+    def label(self) -> str:
+        """``model row point``, for listings."""
+        return " ".join(part for part in (self.model, self.row, self.point) if part)
+
     def folder(self, root: Path) -> Path:
         """The run folder Hydra gives these overrides."""
         return run_folder(root, self.stage, self.overrides)
@@ -146,7 +153,7 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
 
 @dataclass
 class Result:
-    """What a finished cell's run folder gives."""
+    """What a finished cell's run folder, or its run record, gives."""
 
     metrics: dict[str, Any]
     values: dict[str, float] = field(default_factory=dict)  # per answer id: the metric
@@ -157,20 +164,35 @@ class Result:
         return float(self.metrics.get("overall", {}).get(key) or 0.0)
 
 
-def read(cell: Cell, root: Path, metric: str, also: tuple[str, ...] = ()) -> Result | None:
-    """The finished run of ``cell``, or None (no folder, no DONE); per-answer ``metric`` and ``also`` values."""
-    folder = cell.folder(root)
-    if not is_done(folder):
+def recorded(cell: Cell, root: Path, records: Path | None) -> dict[str, Any] | None:
+    """The run record of ``cell`` when it has no finished run folder under ``root``; else None."""
+    if records is None or is_done(cell.folder(root)):
         return None
-    metrics = json.loads((folder / "metrics.json").read_text())
+    return run_records.read(run_records.path_of(records, cell.folder(root)))
+
+
+def read(cell: Cell, root: Path, metric: str, also: tuple[str, ...] = (), records: Path | None = None) -> Result | None:
+    """The finished run of ``cell``, or None (no finished folder, and no record of one under ``records``).
+
+    The run folder under ``root`` comes first; without one, the cell's run record (:mod:`kvresearch.records`).
+    Per-answer ``metric`` and ``also`` values come from its predictions.
+    """
+    folder = cell.folder(root)
+    record = recorded(cell, root, records)
+    if is_done(folder):
+        metrics = json.loads((folder / "metrics.json").read_text())
+        predictions = folder / "predictions.jsonl"
+        lines = predictions.read_text().splitlines() if predictions.is_file() else []
+        answers = [json.loads(line) for line in lines if line.strip()]
+    elif record is not None:
+        metrics, answers = record["metrics"], record["predictions"]
+    else:
+        return None
     per: dict[str, dict[str, float]] = {name: {} for name in (metric, *also)}
-    predictions = folder / "predictions.jsonl"
-    if predictions.is_file():
-        for line in predictions.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
-            for name, values in per.items():
-                if record.get(name) is not None and math.isfinite(float(record[name])):  # NaN: an empty answer
-                    values[str(record["id"])] = float(record[name])
+    for answer in answers:
+        for name, values in per.items():
+            if answer.get(name) is not None and math.isfinite(float(answer[name])):  # NaN: an empty answer
+                values[str(answer["id"])] = float(answer[name])
     return Result(metrics, per[metric], {name: per[name] for name in also})
 
 
@@ -191,7 +213,9 @@ def _interval(i: Interval | None, scale: float, signed: bool = False, digits: in
     return f"{i.mean * scale:{fmt}}{bounds}"
 
 
-def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+def curve_rows(
+    exp: DictConfig, variant: str, root: Path, records: Path | None = None
+) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Header, table rows and plot points of a ``curve`` experiment (score x100 for 0-1 metrics).
 
     ``also: {name: {scale, digits}}`` adds two columns per extra per-answer metric (its mean, and its paired
@@ -210,7 +234,7 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
     rows, points = [], []
     references: dict[str, Result | None] = {}
     for cell in cells(exp, variant):
-        result = read(cell, root, metric, tuple(also))
+        result = read(cell, root, metric, tuple(also), records)
         if cell.reference:
             references[cell.model] = result
         if result is None:
@@ -241,13 +265,15 @@ def curve_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], li
     return header, rows, points
 
 
-def fit_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+def fit_rows(
+    exp: DictConfig, variant: str, root: Path, records: Path | None = None
+) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """Header, table rows and per-layer points of a ``fit`` experiment (train_surrogate runs)."""
     header = ["model", "surrogate", "setting", "test rows", "R^2 pooled", "R^2 pooled per layer", "R^2 per head",
               "Spearman"]  # fmt: skip
     rows, points = [], []
     for cell in cells(exp, variant):
-        result = read(cell, root, "")
+        result = read(cell, root, "", (), records)
         if result is None:
             rows.append([cell.model, cell.row, cell.point, *[NOT_RUN] * 5])
             continue
@@ -259,9 +285,15 @@ def fit_rows(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list
     return header, rows, points
 
 
-def table(exp: DictConfig, variant: str, root: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
-    """The experiment's table for its kind."""
-    return (fit_rows if exp.get("kind", "curve") == "fit" else curve_rows)(exp, variant, root)
+def table(
+    exp: DictConfig, variant: str, root: Path, records: Path | None = None
+) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """The experiment's table for its kind.
+
+    From the run folders under ``root`` and, for cells without one there, the run records under ``records``
+    (None: run folders only).
+    """
+    return (fit_rows if exp.get("kind", "curve") == "fit" else curve_rows)(exp, variant, root, records)
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:

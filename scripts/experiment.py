@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/experiment.py list
     .venv/bin/python scripts/experiment.py run kvzap_ruler [--variant twin|hub] [--rows R,..] [--models M,..] [--print]
-        [--launcher slurm] [--on-config-change refuse|redo|keep] [-- ARGS]
+        [--launcher slurm] [--on-config-change refuse|redo|keep] [--skip-recorded] [-- ARGS]
     .venv/bin/python scripts/experiment.py table kvzap_ruler [--variant twin] [--out docs/results/experiments] [--wandb]
+        [--records docs/results/runs] [--no-record]
 
 ``run`` starts one stage job per cell that is not finished (the full-cache row first: the others take their
 full-cache answers from it; ``--rows`` picks rows or budget points, in the order given; ``--models`` model
@@ -12,10 +13,13 @@ the variant as a tag;
 ``--print`` only prints the commands (to hand to any scheduler);
 ``--launcher NAME`` submits each cell through ``hydra/launcher=NAME`` (conf/hydra/launcher/);
 ``--on-config-change`` says what to do with cells whose run folder was made with other settings than
-today's config (stop and list them, redo them, or keep them). Extra
-arguments after ``--`` go to every job. ``table`` writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
-cell without a finished run prints "not run"; one that today's config would not compute as it is is marked
-"(changed)", with what differs under the table) and ``.png`` / ``.pdf`` (the curve: metric against the
+today's config (stop and list them, redo them, or keep them); ``--skip-recorded`` leaves the cells that
+have a run record from another machine. Extra
+arguments after ``--`` go to every job. ``table`` records the finished cells found under the outputs root
+(``docs/results/runs/``, kvresearch/records.py), then writes ``<out>/<name>_<variant>.md`` and ``.tex`` (a
+cell without a finished run folder here or a run record prints "not run"; one that today's config would not
+compute as it is is marked "(changed)", with what differs under the table; cells read from records are
+listed under it) and ``.png`` / ``.pdf`` (the curve: metric against the
 measured prune ratio with 95% intervals; the fit: held-out R^2 per layer) and one W&B run in the
 experiment's group holding the table (a W&B Table) and the figure (``--no-wandb`` to skip).
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvresearch import experiments, runs
+from kvresearch import records as run_records
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import is_done, outputs_root, repo_root, write_atomic
 
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
     chosen = experiments.select(experiments.cells(exp, args.variant), split(args.rows), split(args.models))
     changed = changed_cells(chosen, root, args.extra)
     if changed and args.on_config_change == "refuse":
-        listing = "\n".join(f"  {c.model} {c.row} {c.point}: {'; '.join(found[:3])}" for c, found in changed.items())
+        listing = "\n".join(f"  {c.label}: {'; '.join(found[:3])}" for c, found in changed.items())
         raise SystemExit(
             f"{len(changed)} cells of {args.name} have run folders made with other settings than today's config, "
             f"or from runs redone since (stored -> now):\n{listing}\nRedo them with --on-config-change redo "
@@ -65,7 +70,11 @@ def run(args: argparse.Namespace) -> None:
     per_cell = {c: ("force=true" if args.on_config_change == "redo" else "on_config_change=keep",) for c in changed}
     redo = args.on_config_change == "redo"
     todo = [c for c in chosen if not is_done(c.folder(root)) or (redo and c in changed)]
+    recorded = [c for c in todo if experiments.recorded(c, root, run_records.records_root()) is not None]
+    todo = [c for c in todo if c not in recorded] if args.skip_recorded else todo
     print(f"{args.name} ({args.variant}): {len(todo)} cells to run", flush=True)
+    if recorded and not args.skip_recorded:
+        print(f"{len(recorded)} of these cells have run records from another machine (--skip-recorded leaves them)")
     failed = []
     for i, cell in enumerate(todo, 1):
         cmd = command(cell, Path(args.name).stem, args, per_cell.get(cell, ()))
@@ -73,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
         if not args.print and subprocess.run(cmd, cwd=repo_root()).returncode != 0:
             failed.append(cell)
     if failed:
-        listing = "; ".join(f"{c.model} {c.row} {c.point}" for c in failed)
+        listing = "; ".join(c.label for c in failed)
         raise SystemExit(f"{len(failed)} cells failed ({listing}); fix and re-run: finished cells are skipped.")
 
 
@@ -152,17 +161,23 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
     plt.close(fig)
 
 
-def mark_changed(exp: Any, variant: str, root: Path, rows: list[list[str]], name: str) -> str:
-    """Mark the rows of finished cells that today's config would not compute as they are ("(changed)" after
-    the method) and return the note that lists them ("" when there are none)."""
+def mark_changed(exp: Any, variant: str, root: Path, records: Path, rows: list[list[str]], name: str) -> str:
+    """Mark the rows of finished cells (run folders here, or run records) that today's config would not compute
+    as they are ("(changed)" after the method) and return the note that lists them ("" when there are none)."""
     every = experiments.cells(exp, variant)
-    changed = changed_cells([c for c in every if is_done(c.folder(root))], root, [f"paths.root={root}"])
+    here = [c for c in every if is_done(c.folder(root))]
+    changed = changed_cells(here, root, [f"paths.root={root}"])
+    for cell in every:
+        record = experiments.recorded(cell, root, records)
+        found = record and run_records.record_changes(record, cell.stage, [*cell.overrides, f"paths.root={root}"])
+        if found:
+            changed[cell] = found
     for row, cell in zip(rows, every, strict=True):
         if cell in changed:
             row[1] += " (changed)"
     if not changed:
         return ""
-    lines = "\n".join(f"- {c.model} {c.row} {c.point}: {'; '.join(found[:3])}" for c, found in changed.items())
+    lines = "\n".join(f"- {c.label}: {'; '.join(found[:3])}" for c, found in changed.items())
     return (
         "\nCells marked (changed) were run with other settings, or from runs redone since, than today's config "
         f'gives (stored -> now); `make experiment-{name} EXP_ARGS="--on-config-change redo"` reruns them:\n'
@@ -170,17 +185,36 @@ def mark_changed(exp: Any, variant: str, root: Path, rows: list[list[str]], name
     )
 
 
+def recorded_note(exp: Any, variant: str, root: Path, records: Path) -> str:
+    """The cells read from run records, not from run folders here: where and when each ran ("" for none)."""
+    lines = []
+    for cell in experiments.cells(exp, variant):
+        if (record := experiments.recorded(cell, root, records)) is not None:
+            git = record["versions"].get("git") or {}
+            commit = (git.get("commit") or "unknown")[:7] + (" (uncommitted changes)" if git.get("dirty") else "")
+            lines.append(f"- {cell.label}: finished {record['done'][:16]}, commit {commit}")
+    if not lines:
+        return ""
+    shown = records.relative_to(repo_root()) if records.is_relative_to(repo_root()) else records
+    listing = "\n".join(lines)
+    return f"\nCells read from run records ({shown}/; their run folders are not on this machine):\n{listing}\n"
+
+
 def table(args: argparse.Namespace) -> None:
     exp = experiments.load(args.name)
-    header, rows, points = experiments.table(exp, args.variant, Path(args.root))
+    root, records = Path(args.root), Path(args.records)
+    if args.record:  # the finished cells here, kept in the repository beside the table they make
+        written = [run_records.write(c.folder(root), records) for c in experiments.cells(exp, args.variant)]
+        print(f"{sum(p is not None for p in written)} finished cells recorded under {records}")
+    header, rows, points = experiments.table(exp, args.variant, root, records)
     name = Path(args.name).stem  # a config's name, or a YAML file's
-    changed = mark_changed(exp, args.variant, Path(args.root), rows, name)
+    changed = mark_changed(exp, args.variant, root, records, rows, name)
     out = Path(args.out)
     stem = out / f"{name}_{args.variant}"
     caption = f"{exp.title} ({args.variant}; mirrors {exp.paper}). {experiments.summary_line(rows)}."
     text = f"# {exp.title} ({args.variant})\n\nMirrors {exp.paper}. {exp.get('notes', '')}\n\n"
     text += experiments.markdown(header, rows) + f"\n{experiments.summary_line(rows)}; 95% bootstrap intervals.\n"
-    text += changed
+    text += changed + recorded_note(exp, args.variant, root, records)
     write_atomic(stem.with_suffix(".md"), text)
     write_atomic(stem.with_suffix(".tex"), experiments.latex(header, rows, caption))
     figure(exp, args.variant, points, stem)
@@ -221,9 +255,18 @@ def main() -> None:
         help="cells whose run folder was made with other settings: stop and list them (refuse), "
         "empty and run them again (redo), or keep them as they are (keep)",
     )
+    runner.add_argument(
+        "--skip-recorded",
+        action="store_true",
+        help="leave the cells that have a run record (finished on another machine) and no run folder here",
+    )
     runner.add_argument("extra", nargs="*", help="after --: overrides for every job")
     tables.add_argument("--root", default=str(outputs_root()))
     tables.add_argument("--out", default="docs/results/experiments")
+    records = "run records: read for cells with no run folder here, written for finished ones"
+    tables.add_argument("--records", default=str(run_records.records_root()), help=records)
+    write = "record the finished cells found under --root (--no-record: only read the records)"
+    tables.add_argument("--record", action=argparse.BooleanOptionalAction, default=True, help=write)
     args = parser.parse_args()
     try:
         if args.action == "list":

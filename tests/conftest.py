@@ -1,6 +1,7 @@
 """Fixtures: the tiny random model and the embedded model, loaded once per session; CUDA-only tests skipped.
 
-Tests never touch the checkout's outputs/: the outputs root is a temporary folder for the session.
+Tests never touch the checkout's outputs/ or its run records (docs/results/runs/): both roots are temporary
+folders for the session.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["KVRESEARCH_OUTPUTS"] = tempfile.mkdtemp(prefix="kvr-test-outputs-")
+os.environ["KVRESEARCH_RECORDS"] = tempfile.mkdtemp(prefix="kvr-test-records-")
 
 from kvresearch.models import LoadedModel, load_model
 from tests.helpers import model_config

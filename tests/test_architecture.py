@@ -25,6 +25,7 @@ FLOORS = {
     "ops": 1,
     "runs": 1,
     "config_check": 1,
+    "records": 1,
     "data": 1,
     "models": 1,
     "benchmarks": 1,

@@ -1,0 +1,111 @@
+"""Run records (kvresearch/records.py): a table rebuilt on a machine that has none of the run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvresearch import experiments, records
+from kvresearch.errors import KVResearchError
+from kvresearch.runs import repo_root
+from kvresearch.stats import paired_difference
+from tests.helpers import SMALL_RULER
+
+SCRIPT = repo_root() / "scripts" / "experiment.py"
+
+
+def table_rows(path: Path) -> dict[str, list[str]]:
+    """The table's rows by method (the model column left out)."""
+    lines = [line for line in path.read_text().splitlines() if line.startswith("| tiny_random")]
+    return {line.split(" | ")[1]: line.strip("| ").split(" | ")[1:] for line in lines}
+
+
+@pytest.mark.slow
+def test_records_carry_a_table_and_a_reference_run_to_a_machine_without_the_run_folders(tmp_path: Path) -> None:
+    rows = [{"method": "full", "reference": True}, {"method": "streaming_llm", "sweep": {"method.keep_ratio": [0.5]}},
+            {"method": "snapkv", "sweep": {"method.keep_ratio": [0.25]}}]  # fmt: skip
+    shared = [o for o in SMALL_RULER if not o.startswith("model=")]
+    variant = {"models": ["tiny_random"], "shared": shared, "rows": rows}
+    spec = tmp_path / "fixture_rec.yaml"
+    spec.write_text(yaml.safe_dump({"title": "t", "paper": "p", "variants": {"twin": variant, "hub": variant}}))
+    store = tmp_path / "records"
+
+    def cli(machine: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / machine), "KVRESEARCH_RECORDS": str(store)}
+        return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                              cwd=repo_root())  # fmt: skip
+
+    def table(machine: str, out: str) -> str:
+        made = cli(machine, "table", str(spec), "--root", str(tmp_path / machine), "--out", str(tmp_path / out),
+                   "--no-wandb")  # fmt: skip
+        assert made.returncode == 0, made.stderr[-2000:]
+        return made.stdout
+
+    # Machine a runs two cells; its table records them.
+    ran = cli("a", "run", str(spec), "--rows", "streaming_llm", "--no-wandb")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "2 finished cells recorded" in table("a", "t1")
+    cells = {c.row: c for c in experiments.cells(experiments.load(str(spec)), "twin")}
+    paths = {row: records.path_of(store, cell.folder(tmp_path / "a")) for row, cell in cells.items()}
+    assert paths["full"].is_file() and paths["streaming_llm"].is_file() and not paths["snapkv"].exists()
+    folder = cells["streaming_llm"].folder(tmp_path / "a")
+    kept = records.read(paths["streaming_llm"])
+    assert kept is not None and kept["done"] == (folder / "DONE").read_text().strip()
+    assert kept["metrics"] == json.loads((folder / "metrics.json").read_text())
+    assert kept["predictions"] == [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
+    stamp = paths["full"].stat().st_mtime_ns
+    table("a", "t1")
+    assert paths["full"].stat().st_mtime_ns == stamp  # the same run is not written again
+
+    # Machine b has no run folder: the table is the same, and says where its cells came from.
+    text = table("b", "t2")
+    assert table_rows(tmp_path / "t2" / "fixture_rec_twin.md") == table_rows(tmp_path / "t1" / "fixture_rec_twin.md")
+    assert "2 of 3 cells finished" in text and "Cells read from run records" in text
+    assert "- tiny_random full: finished" in text and "- tiny_random streaming_llm keep_ratio=0.5: finished" in text
+    printed = cli("b", "run", str(spec), "--no-wandb", "--print")
+    assert "3 cells to run" in printed.stdout and "2 of these cells have run records" in printed.stdout
+    skipping = cli("b", "run", str(spec), "--no-wandb", "--print", "--skip-recorded")
+    assert "1 cells to run" in skipping.stdout and "snapkv" in skipping.stdout
+
+    # The missing cell runs on b and takes its full-cache answers from the full cache's record.
+    ran = cli("b", "run", str(spec), "--no-wandb", "--skip-recorded")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "full-cache answers from the run record" in ran.stdout
+    snap = cells["snapkv"].folder(tmp_path / "b")
+    answers = [json.loads(x) for x in (snap / "predictions.jsonl").read_text().splitlines()]
+    assert {a["full_answer_from"] for a in answers} == {"reference_run"}
+    full = records.read(paths["full"])
+    assert full is not None
+    inputs = json.loads((snap / "metrics.json").read_text())["inputs"]
+    assert inputs == {f"evaluate/{cells['full'].folder(tmp_path).name}": full["done"]}
+    text = table("b", "t3")
+    got = table_rows(tmp_path / "t3" / "fixture_rec_twin.md")
+    assert "3 of 3 cells finished" in text and "(changed)" not in text
+    theirs = {a["id"]: a["score"] for a in full["predictions"]}
+    diff = paired_difference([a["score"] for a in answers], [theirs[a["id"]] for a in answers])
+    assert got["snapkv"][5] == f"{diff.mean * 100:+.1f} [{diff.low * 100:+.1f}, {diff.high * 100:+.1f}]"
+
+    # A record made with other settings than today's config is marked, as a run folder would be.
+    changed = dict(full, config={**full["config"], "evaluate": {**full["config"]["evaluate"], "max_new_tokens": 9}})
+    paths["full"].write_text(json.dumps(changed))
+    text = table("b", "t4")
+    assert "| tiny_random | full (changed) |" in text and "evaluate.max_new_tokens: 9 -> 8" in text
+
+    # A damaged record stops the table with its name and the way to restore it; it is never a finished cell.
+    paths["full"].write_text(paths["full"].read_text()[:100])
+    broken = cli("b", "table", str(spec), "--root", str(tmp_path / "b"), "--out", str(tmp_path / "t5"), "--no-wandb")
+    assert broken.returncode != 0 and str(paths["full"]) in broken.stderr and "git checkout" in broken.stderr
+
+
+def test_a_record_is_read_only_when_it_is_one(tmp_path: Path) -> None:
+    assert records.read(tmp_path / "none.json") is None
+    assert records.write(tmp_path / "evaluate" / "unfinished", tmp_path / "records") is None
+    (tmp_path / "other.json").write_text(json.dumps({"format": 1, "stage": "evaluate"}))
+    with pytest.raises(KVResearchError, match="missing"):
+        records.read(tmp_path / "other.json")
