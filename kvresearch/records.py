@@ -54,8 +54,8 @@ def write(folder: Path, records: Path) -> Path | None:
         try:
             if json.loads(path.read_text(encoding="utf-8")).get("done") == done:
                 return path
-        except ValueError:
-            pass  # a damaged record: written again below
+        except (ValueError, AttributeError):
+            pass  # a damaged record, or not one: written again below
     fix = f"Re-run that run with force=true ({folder})."
     predictions = folder / "predictions.jsonl"
     lines = predictions.read_text(encoding="utf-8").splitlines() if predictions.is_file() else []
