@@ -3,7 +3,7 @@
 A run folder is named by its command-line overrides only, so a change of a default in ``conf/`` (or of a
 knob added since) gives the same folder to a different computation, and so does a run it read (a surrogate,
 a full-cache run) redone since under the same name. :func:`changes` lists every setting whose stored value
-differs from the current one; :func:`input_changes` every run read (:func:`note_input`) whose ``DONE`` stamp
+differs from the current one; :func:`inputs_changed` every run read (:func:`note_input`) whose ``DONE`` stamp
 changed; :func:`run_changes` reads a run folder for both, and :func:`check_run` refuses on any. Settings that
 do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether it is forced) are
 left out, and absolute paths under the outputs root or the checkout compare relative to them, so a moved
@@ -107,11 +107,27 @@ def run_changes(out_dir: Path, cfg: DictConfig, checkout: Path) -> list[str] | N
     stored_checkout = str(checkout)
     with contextlib.suppress(OSError, ValueError, AttributeError):  # missing or damaged: paths compare as they are
         stored_checkout = str(json.loads(versions.read_text(encoding="utf-8")).get("checkout") or checkout)
+    return stored_changes(stored, stored_checkout, stored_inputs(out_dir), cfg, checkout)
+
+
+def stored_changes(
+    stored: Mapping[str, Any],
+    stored_checkout: str,
+    inputs: Mapping[str, str],
+    cfg: DictConfig,
+    checkout: Path,
+    unknown_ok: bool = False,
+) -> list[str]:
+    """What differs between a stored config (with the runs it read, ``inputs``) and ``cfg`` today.
+
+    ``stored_checkout``: the checkout the run ran in (its absolute paths compare relative to it);
+    ``unknown_ok``: see :func:`inputs_changed`.
+    """
     now = resolved(cfg)
     root = str(now.get("paths", {}).get("root", cfg.paths.root))
-    stored_roots = {"outputs": str(stored.get("paths", {}).get("root", "")), "checkout": stored_checkout}
+    stored_roots = {"outputs": str((stored.get("paths") or {}).get("root", "")), "checkout": stored_checkout}
     current_roots = {"outputs": root, "checkout": str(checkout)}
-    return changes(stored, now, stored_roots, current_roots) + input_changes(out_dir, Path(root))
+    return changes(stored, now, stored_roots, current_roots) + inputs_changed(inputs, Path(root), unknown_ok)
 
 
 def done_stamp(folder: Path) -> str | None:
@@ -132,7 +148,7 @@ def note_input(folder: Path, root: str | Path) -> Path:
     """Record that the running stage reads the finished run ``folder`` (under ``root``, the outputs root).
 
     The runner keeps the record in the run's metrics (``inputs``: each folder with the stamp of its ``DONE``,
-    or of its run record), so a later run can tell when one of them was redone since (:func:`input_changes`).
+    or of its run record), so a later run can tell when one of them was redone since (:func:`inputs_changed`).
     Returns ``folder``.
     """
     folder = Path(folder).resolve()
@@ -152,19 +168,16 @@ def take_inputs() -> dict[str, str]:
     return taken
 
 
-def input_changes(out_dir: Path, root: Path) -> list[str]:
-    """``input <run>: <DONE then> -> <DONE now>`` for each run that ``out_dir`` read and that was redone since.
+def stored_inputs(out_dir: Path) -> dict[str, str]:
+    """The runs that ``out_dir`` read (its metrics' ``inputs``, :func:`note_input`).
 
-    The runs it read are its metrics' ``inputs`` (:func:`note_input`); a removed one counts as changed.
-
-    A run that reads a surrogate or a full-cache run by name does not see it redone in its own config: the
-    name stays, the run behind it changed.
+    Empty while the run is unfinished or its metrics are damaged: the run itself redoes what it must.
     """
     try:
         inputs = json.loads((Path(out_dir) / "metrics.json").read_text(encoding="utf-8")).get("inputs") or {}
-    except (OSError, ValueError, AttributeError):  # unfinished, or damaged: the run itself redoes what it must
-        return []
-    return inputs_changed(inputs, root)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(inputs)
 
 
 def inputs_changed(inputs: Mapping[str, str], root: Path, unknown_ok: bool = False) -> list[str]:

@@ -20,9 +20,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from kvresearch.config_check import changes, inputs_changed, resolved
+from kvresearch.config_check import stored_changes
 from kvresearch.errors import KVResearchError
-from kvresearch.runs import compose_config, is_done, read_json, repo_root, write_atomic
+from kvresearch.runs import is_done, read_json, repo_root, today, write_atomic
 
 RECORDS_ENV = "KVRESEARCH_RECORDS"
 FORMAT = 1
@@ -107,11 +107,6 @@ def record_changes(record: dict[str, Any], stage: str, overrides: list[str]) -> 
     Also each run it read that was redone since, found as a run folder here or as a record (one found nowhere,
     such as a surrogate trained on the machine that ran it, is not checked).
     """
-    cfg = compose_config(stage, [o for o in overrides if not o.startswith(("hydra.", "hydra/"))])
-    now = resolved(cfg)
-    stored = record["config"]
-    stored_roots = {"outputs": str((stored.get("paths") or {}).get("root", "")),
-                    "checkout": str(record["versions"].get("checkout") or repo_root())}  # fmt: skip
-    root = Path(str(now.get("paths", {}).get("root", "")))
-    found = changes(stored, now, stored_roots, {"outputs": str(root), "checkout": str(repo_root())})
-    return found + inputs_changed(record["metrics"].get("inputs") or {}, root, unknown_ok=True)
+    stored_checkout = str(record["versions"].get("checkout") or repo_root())
+    inputs = record["metrics"].get("inputs") or {}
+    return stored_changes(record["config"], stored_checkout, inputs, today(stage, overrides), repo_root(), True)

@@ -276,8 +276,12 @@ def folder_changes(folder: Path, stage: str, overrides: list[str]) -> list[str]:
     """
     if not (Path(folder) / "config.yaml").is_file():
         return []
-    cfg = compose_config(stage, [o for o in overrides if not o.startswith(("hydra.", "hydra/"))])
-    return run_changes(folder, cfg, repo_root()) or []
+    return run_changes(folder, today(stage, overrides), repo_root()) or []
+
+
+def today(stage: str, overrides: list[str]) -> DictConfig:
+    """The config a run of ``stage`` with these command-line ``overrides`` gets today (Hydra's own left out)."""
+    return compose_config(stage, [o for o in overrides if not o.startswith(("hydra.", "hydra/"))])
 
 
 def execute(cfg: DictConfig, fn: StageFn, verify: VerifyFn | None = None) -> dict[str, Any]:
