@@ -109,4 +109,5 @@ def record_changes(record: dict[str, Any], stage: str, overrides: list[str]) -> 
     """
     stored_checkout = str(record["versions"].get("checkout") or repo_root())
     inputs = record["metrics"].get("inputs") or {}
-    return stored_changes(record["config"], stored_checkout, inputs, today(stage, overrides), repo_root(), True)
+    now = today(stage, overrides)
+    return stored_changes(record["config"], stored_checkout, inputs, now, repo_root(), unknown_ok=True)
