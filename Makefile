@@ -67,11 +67,14 @@ surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and w
 surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epochs, lr, weight decay, a second seed (~30 min)
 	$(PY) scripts/surrogate_study.py --parts recipe --name surrogate_recipe $(ARGS)
 
-# Every document the packaged corpora give (2,114), for the learning curve up to all of them; its run folder.
-EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extract.samples_per_doc=500
-EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null,extract.samples_per_doc=500
+# Every document the packaged corpora give (2,114), for the learning curve up to all of them: extracted in
+# CURVE_PARTS resumable parts (a finished part is skipped), merged into the run folder the curve reads.
+CURVE_PARTS := 6
+EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extract.samples_per_doc=500 extract.num_shards=$(CURVE_PARTS)
+EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null,extract.num_shards=$(CURVE_PARTS),extract.samples_per_doc=500
 
-surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 (~4 h, 37 GB), fit each point (docs/surrogates.md)
+surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 in 6 resumable parts (~41 min each, 37 GB in all), fit each point (~1 h)
+	$(PY) -m kvresearch.stages.extract -m $(EXTRACT_ALL) 'extract.shard_index=range(0,$(CURVE_PARTS))'
 	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)
 	$(PY) scripts/surrogate_study.py --extract $(EXTRACT_ALL_RUN) --parts curve --name surrogate_curve_all $(ARGS)
 
