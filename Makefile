@@ -70,8 +70,11 @@ surrogate-recipe: $(STAMP) ## the MLP's optimisation with essays left out: epoch
 # Every document the packaged corpora give (2,114), for the learning curve up to all of them: extracted in
 # CURVE_PARTS resumable parts (a finished part is skipped), merged into the run folder the curve reads.
 CURVE_PARTS := 6
-EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extract.samples_per_doc=500 extract.num_shards=$(CURVE_PARTS)
-EXTRACT_ALL_RUN := extract/corpus.n_test_per_source=null,corpus.n_train_per_source=null,extract.num_shards=$(CURVE_PARTS),extract.samples_per_doc=500
+comma := ,
+EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extract.num_shards=$(CURVE_PARTS) extract.samples_per_doc=500
+# Its run folder is Hydra's name for those overrides: comma-joined, keys sorted (as written above).
+empty :=
+EXTRACT_ALL_RUN := extract/$(subst $(empty) $(empty),$(comma),$(EXTRACT_ALL))
 
 surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 in 6 resumable parts (~41 min each, 37 GB in all), fit each point (~1 h)
 	$(PY) -m kvresearch.stages.extract -m $(EXTRACT_ALL) 'extract.shard_index=range(0,$(CURVE_PARTS))'
