@@ -18,7 +18,6 @@ document, so names never collide, and the merged rows are the single job's rows 
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -196,7 +195,8 @@ def write_manifest(
         "shards": len(shards),
         "bytes": sum(f.stat().st_size for f in (out_dir / "shards").rglob("*.npy")),
         "tokens_this_run": counts["tokens"],
-        "tokens_per_s": counts["tokens"] / counts["elapsed"] if counts["extracted"] else math.nan,
+        # null, not NaN (which strict JSON readers reject), when this run extracted nothing (a merge, a re-run)
+        "tokens_per_s": counts["tokens"] / counts["elapsed"] if counts["extracted"] else None,
         "clamped_scores": counts["clamped"],
     }
 

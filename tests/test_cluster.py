@@ -54,6 +54,10 @@ def single_full(root: Path) -> str:
 EXTRACT = [*TINY, "extract.rows_per_shard=100"]  # 40 rows per document: a single job's shards span 3 documents
 
 
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def test_part_ranges_cover_the_documents_once_in_order() -> None:
     for n_docs in (0, 1, 5, 7, 12):
         for n in (1, 2, 3, 5):
@@ -86,6 +90,8 @@ def test_a_two_way_sharded_extract_merges_to_the_single_job_rows(tmp_path: Path)
     parts = f"extract.parts=[{tmp_path / 'p0'},{tmp_path / 'p1'}]"
     merged = execute(compose_stage("extract", tmp_path / "merged", [*EXTRACT, *shards, parts]), extract_run, verify)
     assert merged["documents_done"] == single["documents_done"] == 4 and merged["samples"] == single["samples"]
+    strict = json.loads((tmp_path / "merged" / "metrics.json").read_text(), parse_constant=_not_json)
+    assert strict["tokens_per_s"] is None  # a merge extracts nothing: null, never NaN
     assert (merged["shards"], single["shards"]) == (
         2,
         2,
