@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/surrogate_study.py [--extract RUN] [--fp32-extract RUN]
         [--parts loso,curve,mix,width,dtype (and recipe)] [--out docs/results] [--name surrogate_study]
-        [--set OVERRIDE ...]
+        [--set OVERRIDE ...] [--finished-only]
 
 The study runs on its own extract (:data:`STUDY_EXTRACT`, extracted first when not finished; ``--extract`` names
 another). Every point is a real ``train_surrogate`` run (Lightning for the MLP, ridge for the linear map) on a *view* of
@@ -26,7 +26,8 @@ measured on the test documents: pooled per layer (mean over layers of the R^2 of
   with ``extract.hidden_dtype=float32``), the same documents, essays left out.
 
 Writes ``<out>/<name>.md`` (one row per point), ``<out>/<name>_curve.png`` (R^2 against training rows, when the
-curve is among the parts) and ``outputs/<name>.json``. Finished runs are skipped on a re-run.
+curve is among the parts) and ``outputs/<name>.json``. Finished runs are skipped on a re-run; ``--finished-only``
+trains nothing and writes "not run" for the points not finished yet (a long curve stopped part-way).
 """
 
 from __future__ import annotations
@@ -127,11 +128,22 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
     return run_id(folder)
 
 
+def _run(extract_id: str, kind: str, extra: tuple[str, ...]) -> tuple[Path, list[str]]:
+    """The train_surrogate run folder of a point, and its overrides."""
+    overrides = [f"paths.extract={extract_id}", f"surrogate={kind}", *extra]
+    return run_folder(outputs_root(), "train_surrogate", overrides), overrides
+
+
+def finished(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> bool:
+    """Whether the point's train_surrogate run is finished with today's config (a re-run would skip it)."""
+    folder, overrides = _run(extract_id, kind, extra)
+    return (folder / "DONE").is_file() and not folder_changes(folder, "train_surrogate", overrides)
+
+
 def train(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One train_surrogate run on a view (skipped when finished); its metrics."""
-    overrides = [f"paths.extract={extract_id}", f"surrogate={kind}", *extra]
-    folder = run_folder(outputs_root(), "train_surrogate", overrides)
-    if not (folder / "DONE").is_file() or folder_changes(folder, "train_surrogate", overrides):
+    folder, overrides = _run(extract_id, kind, extra)
+    if not finished(extract_id, kind, extra):
         cmd = [sys.executable, "-m", "kvresearch.stages.train_surrogate", *overrides]
         if subprocess.run(cmd, cwd=repo_root()).returncode != 0:  # the stage's own message is printed above
             raise SystemExit(f"train_surrogate failed for {folder.name}; --set force=true or on_config_change=keep "
@@ -147,8 +159,13 @@ def interleaved(docs: list[dict[str, Any]]) -> list[str]:
     return [i for group in zip_longest(*by_source.values()) for i in group if i is not None]
 
 
-def points(source: Path, parts: list[str], fp32: Path | None, common: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Every study point asked for: its setting and its fit (``common``: overrides for every run)."""
+def points(
+    source: Path, parts: list[str], fp32: Path | None, common: tuple[str, ...] = (), finished_only: bool = False
+) -> list[dict[str, Any]]:
+    """Every study point asked for: its setting and its fit (``common``: overrides for every run).
+
+    ``finished_only``: train nothing; a point whose run is not finished gets ``None`` for its numbers ("not run").
+    """
     docs = [d for d in read_json(source / "manifest.json", "")["documents"] if d["status"] == "done"]
     of = lambda src, split=None: {d["doc_id"] for d in docs if d["source"] == src and split in (None, d["split"])}
     sources = sorted({d["source"] for d in docs})
@@ -160,6 +177,11 @@ def points(source: Path, parts: list[str], fp32: Path | None, common: tuple[str,
         extract_id = view(run, tag, train_ids, test_ids)
         for kind in kinds:
             if any(r["tag"] == tag and r["kind"] == kind for r in out):  # the loso point is also the curve's end
+                continue
+            if finished_only and not finished(extract_id, kind, (*common, *extra)):
+                out.append({"part": part, "tag": tag, "kind": kind, **setting, "train_docs": len(train_ids),
+                            "r2_pooled_per_layer": None})  # fmt: skip
+                print(f"[study] {tag} {kind}: not run", flush=True)
                 continue
             m = train(extract_id, kind, (*common, *extra))
             t = m["test"]
@@ -211,8 +233,12 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
              "|" + "---|" * (len(keys) + 4)]  # fmt: skip
     for r in results:
         cells = [str(r.get(k, "")) for k in keys]
-        cells += [f"{r['r2_pooled_per_layer']:.3f}", f"{r['r2_per_head']:.3f}", f"{r['spearman']:.3f}"]
-        lines.append("| " + " | ".join([*cells, f"{r['train_s']:.0f}"]) + " |")
+        if r["r2_pooled_per_layer"] is None:  # --finished-only: a point whose run is not finished
+            cells += ["not run"] * 4
+        else:
+            cells += [f"{r['r2_pooled_per_layer']:.3f}", f"{r['r2_per_head']:.3f}", f"{r['spearman']:.3f}"]
+            cells.append(f"{r['train_s']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     write_atomic(
         out / f"{name}.md", f"# Surrogate study: {name} (scripts/surrogate_study.py)\n\n" + "\n".join(lines) + "\n"
     )
@@ -225,8 +251,9 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind in ("linear", "mlp"):
-        curve = sorted((r["train_rows"], r["r2_pooled_per_layer"]) for r in results if r["kind"] == kind and
-                       (r["part"] == "curve" or r["tag"] == "loso-essays"))  # fmt: skip
+        on_curve = [r for r in results if r["part"] == "curve" or r["tag"] == "loso-essays"]
+        curve = sorted((r["train_rows"], r["r2_pooled_per_layer"]) for r in on_curve
+                       if r["kind"] == kind and r["r2_pooled_per_layer"] is not None)  # fmt: skip
         if curve:
             ax.plot(*zip(*curve, strict=True), marker="o", label=kind)
     ax.axhline(0.75, color="grey", linestyle="--", linewidth=1, label="target 0.75")
@@ -246,10 +273,12 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="surrogate_study", help="file names: <out>/<name>.md, <name>_curve.png")
     parser.add_argument("--set", nargs="*", default=[], help="overrides for every run: surrogate.weight_decay=0.01")
+    parser.add_argument("--finished-only", action="store_true", help="train nothing: tabulate the finished points, "
+                        "'not run' for the others (a long curve stopped part-way)")  # fmt: skip
     args = parser.parse_args()
     source = resolve_run(args.extract or study_extract(), "extract")
     fp32 = resolve_run(args.fp32_extract, "extract") if args.fp32_extract else None
-    results = points(source, args.parts.split(","), fp32, tuple(args.set))
+    results = points(source, args.parts.split(","), fp32, tuple(args.set), args.finished_only)
     write_json(outputs_root() / f"{args.name}.json", results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from kvresearch.experiments import run_folder
-from kvresearch.runs import CONF_DIR
+from kvresearch.runs import CONF_DIR, today
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage, synthetic_extract
 
@@ -144,3 +145,42 @@ def test_the_recipe_part_changes_one_setting_per_point_and_draws_no_curve(
     study.write(results, tmp_path, "recipe")
     assert (tmp_path / "recipe.md").read_text().count("| recipe | mlp |") == len(study.RECIPES) + 5
     assert not (tmp_path / "recipe_curve.png").exists()
+
+
+def test_finished_only_tabulates_the_finished_points_and_marks_the_others_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A curve stopped part-way: the linear runs finished, the MLP's not; nothing is trained."""
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    source = extract(tmp_path / "full", seed=0, n_docs=150)
+
+    def read_finished(extract_id: str, kind: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        assert kind == "linear", "an unfinished run was trained"
+        fit = {"rows": 200, "r2_per_layer": [0.61, 0.63], "r2_mean": 0.5, "spearman_mean": 0.7}
+        return {"documents": {"train": 15}, "rows": {"train": 60, "val": 0}, "train_s": 3, "test": fit}
+
+    monkeypatch.setattr(study, "finished", lambda extract_id, kind, extra=(): kind == "linear")
+    monkeypatch.setattr(study, "train", read_finished)
+    results = study.points(source, ["curve"], None, finished_only=True)
+    assert [r["kind"] for r in results] == ["linear", "mlp"] * 4
+    assert all((r["r2_pooled_per_layer"] is None) == (r["kind"] == "mlp") for r in results)
+    study.write(results, tmp_path, "partial")
+    rows = (tmp_path / "partial.md").read_text().splitlines()[4:]
+    assert len(rows) == 8 and all(row.endswith("| 0.620 | 0.500 | 0.700 | 3 |") for row in rows[0::2])
+    assert all(row.endswith("| not run | not run | not run | not run |") for row in rows[1::2])
+    assert (tmp_path / "partial_curve.png").stat().st_size > 0  # drawn from the finished points only
+
+
+def test_finished_reads_the_run_folder_a_real_run_would_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRESEARCH_OUTPUTS", str(tmp_path / "outputs"))
+    assert not study.finished("abc123", "mlp")
+    folder, overrides = study._run("abc123", "mlp", ())
+    assert folder == run_folder(tmp_path / "outputs", "train_surrogate", ["paths.extract=abc123", "surrogate=mlp"])
+    folder.mkdir(parents=True)
+    (folder / "DONE").write_text("2026-12-04T10:00:00\n")
+    cfg = today("train_surrogate", overrides)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert study.finished("abc123", "mlp")  # what a re-run would skip
+    cfg.surrogate.lr = 2 * cfg.surrogate.lr
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert not study.finished("abc123", "mlp")  # finished with other settings: a re-run trains it again
