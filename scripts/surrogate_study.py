@@ -179,7 +179,8 @@ def points(
             if any(r["tag"] == tag and r["kind"] == kind for r in out):  # the loso point is also the curve's end
                 continue
             if finished_only and not finished(extract_id, kind, (*common, *extra)):
-                out.append({"part": part, "tag": tag, "kind": kind, **setting, "train_docs": len(train_ids),
+                out.append({"part": part, "tag": tag, "kind": kind, **setting,
+                            "train_docs": f"{len(train_ids)} given",  # validation included: the run splits it off
                             "r2_pooled_per_layer": None})  # fmt: skip
                 print(f"[study] {tag} {kind}: not run", flush=True)
                 continue
