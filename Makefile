@@ -76,7 +76,7 @@ EXTRACT_ALL := corpus.n_test_per_source=null corpus.n_train_per_source=null extr
 empty :=
 EXTRACT_ALL_RUN := extract/$(subst $(empty) $(empty),$(comma),$(EXTRACT_ALL))
 
-surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 in 6 resumable parts (~41 min each, 37 GB in all), fit each point (~1 h)
+surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: extract all 2,114 in 6 resumable parts (~41 min each, 37 GB in all), fit each point (~1 h 40 min; ARGS=--finished-only tabulates what is finished)
 	$(PY) -m kvresearch.stages.extract -m $(EXTRACT_ALL) 'extract.shard_index=range(0,$(CURVE_PARTS))'
 	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)
 	$(PY) scripts/surrogate_study.py --extract $(EXTRACT_ALL_RUN) --parts curve --name surrogate_curve_all $(ARGS)
