@@ -251,8 +251,8 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    on_curve = [r for r in results if r["part"] == "curve" or r["tag"] == "loso-essays"]
     for kind in ("linear", "mlp"):
-        on_curve = [r for r in results if r["part"] == "curve" or r["tag"] == "loso-essays"]
         curve = sorted((r["train_rows"], r["r2_pooled_per_layer"]) for r in on_curve
                        if r["kind"] == kind and r["r2_pooled_per_layer"] is not None)  # fmt: skip
         if curve:
