@@ -143,8 +143,14 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
     known = {c.row for c in found} | {f"{c.row}@{c.point}" for c in found}
     unknown = [r for r in rows if r not in known]
     if unknown:
-        labels = ", ".join(dict.fromkeys(c.row for c in found))
-        raise KVResearchError(f"no row {', '.join(unknown)} here; rows: {labels} (label, or label@point).")
+        points: dict[str, dict[str, None]] = {}  # row -> its points, in order
+        for c in found:
+            points.setdefault(c.row, {}).update({f"@{c.point}": None} if c.point else {})
+        labels = ", ".join(f"{row} ({' '.join(p)})" if p else row for row, p in points.items())
+        raise KVResearchError(
+            f"no row {', '.join(unknown)} here; rows: {labels}. Give a label (all its points) "
+            "or label@point (one point), e.g. kvzap_mlp@calibrate_to=0.5."
+        )
     rank = lambda c: min(i for i, r in enumerate(rows) if r in (c.row, f"{c.row}@{c.point}"))
     chosen = [c for c in found if c.reference or c.row in rows or f"{c.row}@{c.point}" in rows]
     order = list(dict.fromkeys(c.model for c in found))

@@ -179,6 +179,8 @@ def test_rows_pick_cells_in_the_order_given_with_each_full_cache_row_first() -> 
     assert experiments.select(cells, None) == cells
     with pytest.raises(KVResearchError, match="rows: full, kvzap_mlp"):
         experiments.select(cells, ["kvzap"])
+    with pytest.raises(KVResearchError, match=r"snapkv \(@keep_ratio=0.5 @keep_ratio=0.25\)"):
+        experiments.select(cells, ["snapkv@method.keep_ratio=0.5"])  # the point is named as the table names it
     only_2k = experiments.select(cells, ["kvzap_mlp@calibrate_to=0.5"], ["smollm2_135m 2k"])
     assert [(c.model, c.row, c.point) for c in only_2k] == [
         ("smollm2_135m 2k", "full", ""), ("smollm2_135m 2k", "kvzap_mlp", "calibrate_to=0.5")]  # fmt: skip
