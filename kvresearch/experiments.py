@@ -143,9 +143,10 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
     known = {c.row for c in found} | {f"{c.row}@{c.point}" for c in found}
     unknown = [r for r in rows if r not in known]
     if unknown:
-        points: dict[str, dict[str, None]] = {}  # row -> its points, in order
-        for c in found:
-            points.setdefault(c.row, {}).update({f"@{c.point}": None} if c.point else {})
+        points = {
+            row: dict.fromkeys(f"@{c.point}" for c in found if c.row == row and c.point)
+            for row in dict.fromkeys(c.row for c in found)
+        }
         labels = ", ".join(f"{row} ({' '.join(p)})" if p else row for row, p in points.items())
         raise KVResearchError(
             f"no row {', '.join(unknown)} here; rows: {labels}. Give a label (all its points) "
