@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe surrogate-transfer lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -83,6 +83,10 @@ surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: e
 
 surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min; ARGS='--fit mlp' for the MLP)
 	$(PY) scripts/surrogate_probe.py $(ARGS)
+
+surrogate-transfer: $(STAMP) ## after train-surrogate: its surrogates on sources none trains on (news, science, fiction; ~9 min extract + 1 min)
+	$(PY) -m kvresearch.stages.extract corpus=benchmark_prose
+	$(PY) scripts/surrogate_transfer.py $(ARGS)
 
 evaluate: $(STAMP) ## one evaluate run: make evaluate ARGS="method=kvzap_mlp method.threshold=-4"
 	$(PY) -m kvresearch.stages.evaluate $(ARGS)

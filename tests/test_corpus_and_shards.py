@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvresearch.data.corpus import nemotron_sample, offline_english, select, split_of
+from kvresearch.data.corpus import benchmark_prose, nemotron_sample, offline_english, select, split_of
 from kvresearch.data.shards import (
     ShardWriter,
     check_shard,
@@ -44,6 +44,17 @@ def test_offline_english_is_deterministic(english, tiny) -> None:
     again, _ = offline_english(tiny.tokenizer)
     assert [d.doc_id for d in again] == [d.doc_id for d in english[0]]
     assert again[500].text == english[0][500].text
+
+
+def test_benchmark_prose_is_test_only_and_shares_nothing_with_the_training_prose(english, tiny) -> None:
+    docs, stats = benchmark_prose(tiny.tokenizer)
+    assert {d.source for d in docs} == {"news", "science", "fiction"} and {d.split for d in docs} == {"test"}
+    assert all(750 <= d.n_tokens <= 1250 for d in docs) and sum(stats.kept.values()) == len(docs)
+    assert all(o.startswith(d.source + "-") for d in docs for o in d.origins)
+    assert not any("NEWLINE_CHAR" in d.text or d.text.startswith("Passage ") for d in docs)
+    training = {d.text[:200] for d in english[0]}
+    assert not any(d.text[:200] in training for d in docs)
+    assert [d.text for d in benchmark_prose(tiny.tokenizer)[0][::50]] == [d.text for d in docs[::50]]
 
 
 def test_select_is_balanced_and_seeded(english) -> None:

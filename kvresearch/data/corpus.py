@@ -8,6 +8,10 @@
 * ``nemotron_sample``: the 9 subsets of the hub dataset nvidia/Nemotron-Pretraining-Dataset-sample
   (fields ``id``, ``text``), filtered to [min_tokens, max_tokens] like the KVzap reference; a local copy
   (``data_dir/<subset>/*.parquet`` or ``*.jsonl``) is read instead of the hub when given.
+* ``benchmark_prose`` (no network, test split only): sources ``offline_english`` lacks, taken from the
+  contexts of the vendored benchmark data (``kvresearch/benchmarks/data/``): news (LongBench's multi_news),
+  science (L-Eval's QASPER papers) and fiction (L-Eval's QuALITY articles), one source per context, packed
+  like ``offline_english``. It measures a surrogate on sources left out of its training entirely.
 """
 
 from __future__ import annotations
@@ -86,6 +90,23 @@ def _sources() -> Iterator[tuple[str, str, str]]:
         yield "bible", f"bible-{book}", " ".join(verses)
 
 
+BENCHMARK_PROSE = {  # part: (file under kvresearch/benchmarks/data/, field holding the context)
+    "news": ("longbench_v1/multi_news.jsonl", "context"),
+    "science": ("qasper/leval_scientific_qa.jsonl", "input"),
+    "fiction": ("quality/leval_quality.jsonl", "input"),
+}
+
+
+def _benchmark_sources() -> Iterator[tuple[str, str, str]]:
+    """(part, source id, text) for every distinct context of ``BENCHMARK_PROSE``, in file order."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+    for part, (name, field) in BENCHMARK_PROSE.items():
+        rows = [json.loads(line) for line in (folder / name).read_text(encoding="utf-8").splitlines() if line]
+        contexts = dict.fromkeys(str(r[field]).replace("NEWLINE_CHAR", "\n") for r in rows)
+        for i, text in enumerate(contexts):
+            yield part, f"{part}-{i:03d}", re.sub(r"^Passage \d+:\n", "", text, flags=re.M)
+
+
 def _pack(
     sentences: list[tuple[str, str]], tokenizer: Any, min_tokens: int, max_tokens: int, rng: random.Random
 ) -> Iterator[tuple[str, int, tuple[str, ...]]]:
@@ -114,9 +135,28 @@ def offline_english(
     tokenizer: Any, min_tokens: int = 750, max_tokens: int = 1250, test_fraction: float = 0.1, seed: int = 0
 ) -> tuple[list[Document], CorpusStats]:
     """Every document of the packaged English prose; see the module docstring."""
+    return _packed(_sources(), tokenizer, min_tokens, max_tokens, test_fraction, seed)
+
+
+def benchmark_prose(
+    tokenizer: Any, min_tokens: int = 750, max_tokens: int = 1250, seed: int = 0
+) -> tuple[list[Document], CorpusStats]:
+    """Every document of the benchmark contexts' prose, all in the test split; see the module docstring."""
+    return _packed(_benchmark_sources(), tokenizer, min_tokens, max_tokens, 1.0, seed)
+
+
+def _packed(
+    sources: Iterable[tuple[str, str, str]],
+    tokenizer: Any,
+    min_tokens: int,
+    max_tokens: int,
+    test_fraction: float,
+    seed: int,
+) -> tuple[list[Document], CorpusStats]:
+    """Sentences of (part, source id, text) grouped by part and split, packed into documents."""
     grouped: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    for part, source_id, text in _sources():
-        split = split_of(source_id, test_fraction)
+    for part, source_id, text in sources:
+        split = "test" if test_fraction >= 1 else split_of(source_id, test_fraction)
         grouped.setdefault((part, split), []).extend((source_id, s) for s in _sentences(text))
     docs, kept = [], {}
     for (part, split), sentences in grouped.items():
@@ -199,6 +239,8 @@ def load_corpus(cfg: Any, tokenizer: Any, seed: int) -> tuple[list[Document], di
     """The documents a corpus config (``conf/corpus/``) selects, and counts for the extract manifest."""
     if cfg.name == "offline_english":
         docs, stats = offline_english(tokenizer, cfg.min_tokens, cfg.max_tokens, cfg.test_fraction, seed)
+    elif cfg.name == "benchmark_prose":
+        docs, stats = benchmark_prose(tokenizer, cfg.min_tokens, cfg.max_tokens, seed)
     elif cfg.name == "nemotron_sample":
         docs, stats = nemotron_sample(
             tokenizer,
@@ -211,7 +253,7 @@ def load_corpus(cfg: Any, tokenizer: Any, seed: int) -> tuple[list[Document], di
         )
     else:
         raise KVResearchError(
-            f"Unknown corpus.name '{cfg.name}': use corpus=offline_english or corpus=nemotron_sample."
+            f"Unknown corpus.name '{cfg.name}': use corpus=offline_english, benchmark_prose or nemotron_sample."
         )
     chosen = select(docs, cfg.n_train_per_source, cfg.n_test_per_source, seed)
     summary = {

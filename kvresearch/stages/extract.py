@@ -1,6 +1,7 @@
 """Stage ``extract``: KVzip+ oracle targets for surrogate training (``kvresearch/extraction.py`` does the work).
 
-``python -m kvresearch.stages.extract [model=...] [corpus=offline_english|nemotron_sample]`` (``make extract``).
+``python -m kvresearch.stages.extract [model=...] [corpus=offline_english|benchmark_prose|nemotron_sample]``
+(``make extract``).
 Re-running a finished run checks its shards and redoes any that are missing or damaged.
 
 Across jobs: ``-m extract.num_shards=N extract.shard_index=0,...,N-1`` (one run folder per part, e.g. a
