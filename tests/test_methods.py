@@ -12,6 +12,7 @@ from kvresearch.methods.kvzap import KVzap
 from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.cache import ragged_attention_enabled
+from kvresearch.models.presses import _nearest_positions, _positions_of
 from kvresearch.ops.selection import keep_topk
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
@@ -65,6 +66,21 @@ def test_kvpress_baseline_with_real_eviction_matches_kvpress(name, session, prom
             cache_position=torch.tensor([dense.get_seq_length()]),
         ).logits[0, -1]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_kept_rows_are_found_by_their_bytes_as_by_distance_and_ambiguity_falls_back_to_distance() -> None:
+    g = torch.Generator().manual_seed(0)
+    original = torch.randn(300, 16, generator=g)
+    pick = torch.randperm(300, generator=g)[:120]
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = original.to(dtype)
+        assert torch.equal(_positions_of(rows[pick], rows), pick)
+        assert torch.equal(_nearest_positions(rows[pick], rows), pick)
+    twins = original.clone()
+    twins[9] = twins[5]  # identical rows: the bytes cannot tell them apart, each is still used once
+    found = _positions_of(twins[[5, 9, 20]], twins)
+    assert sorted(found[:2].tolist()) == [5, 9] and found[2] == 20
+    assert torch.equal(_positions_of(original[pick] + 1e-6, original), pick)  # not bitwise copies: nearest rows
 
 
 def test_fixed_budget_scopes() -> None:

@@ -28,10 +28,33 @@ from kvresearch.models.hooks import attention_calls
 from kvresearch.models.session import Session
 
 
+def _row_bytes(x: torch.Tensor) -> list[bytes]:
+    """The bytes of each row of ``x`` (rows, d)."""
+    raw = x.detach().cpu().contiguous().view(torch.uint8).numpy()  # (rows, d * element size)
+    return [row.tobytes() for row in raw]
+
+
 def _positions_of(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     """Indices into ``original`` (T, d) of the rows of ``kept`` (n, d), which are copies of distinct rows of it.
 
-    Nearest rows, each used once (two identical rows of ``original`` are told apart by order of certainty).
+    A press gathers the rows it keeps, so each is a bitwise copy: they are looked up by their bytes, in
+    O(T d). Where that is not enough (a row not found bit for bit, or one whose bytes occur twice in
+    ``original``), :func:`_nearest_positions` decides, in O(n T d).
+    """
+    if kept.dtype == original.dtype:
+        where: dict[bytes, int] = {}
+        for i, key in enumerate(_row_bytes(original)):
+            where[key] = -1 if key in where else i  # -1: the bytes occur more than once
+        rows = [where.get(key, -1) for key in _row_bytes(kept)]
+        if min(rows, default=0) >= 0 and len(set(rows)) == len(rows):
+            return torch.tensor(rows, dtype=torch.long, device=kept.device)
+    return _nearest_positions(kept, original)
+
+
+def _nearest_positions(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """:func:`_positions_of` by distance: the nearest rows, each used once.
+
+    Two identical rows of ``original`` are told apart by order of certainty.
     """
     exact = "donot_use_mm_for_euclid_dist"  # the matmul shortcut loses the digits that tell near rows apart
     distances = torch.cdist(kept.float(), original.float(), compute_mode=exact)  # (n, T)
