@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe surrogate-transfer lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe surrogate-transfer lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows bench-presses budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -196,6 +196,9 @@ bench-am: $(STAMP) ## Attention Matching solvers vs top-attention keys: time per
 
 bench-windows: $(STAMP) ## Gemma-3-270m's sliding layers: KV bytes before/after the out-of-window drop vs transformers' cache (outputs/bench/windows.json)
 	$(PY) scripts/bench_windows.py $(ARGS)
+
+bench-presses: $(STAMP) ## kvpress presses with real eviction vs kvpress's own prefill; kept-key position lookup (outputs/bench/presses.json)
+	$(PY) scripts/bench_presses.py $(ARGS)
 
 budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json (method.budgets=<that file>)
 	$(PY) -m kvresearch.stages.budgets $(ARGS)

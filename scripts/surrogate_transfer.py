@@ -1,7 +1,7 @@
 """Held-out fit of trained surrogates on sources they never saw: news, science papers and fiction.
 
     .venv/bin/python scripts/surrogate_transfer.py [--extract corpus=benchmark_prose]
-        [--surrogates linear=surrogate=linear,mlp=surrogate=mlp] [--out docs/results] [--name surrogate_transfer]
+        [--surrogate NAME=RUN ...] [--out docs/results] [--name surrogate_transfer]
 
 ``make train-surrogate`` trains on the packaged prose (essays, Wikipedia summaries, the Bible) and tests on the
 held-out documents of those same three sources. This script scores the finished train_surrogate runs on an
@@ -83,21 +83,26 @@ def run_transfer() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--extract", default="corpus=benchmark_prose", help="an extract run (folder or id)")
     parser.add_argument(
-        "--surrogates",
-        default="linear=surrogate=linear,mlp=surrogate=mlp",
-        help="comma-separated name=train_surrogate run (folder or id)",
+        "--surrogate",
+        action="append",
+        metavar="NAME=RUN",
+        help="a column: its name and a train_surrogate run (folder or id); repeat for more "
+        "(default: linear=surrogate=linear and mlp=surrogate=mlp)",
     )
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="surrogate_transfer")
     args = parser.parse_args()
 
+    columns = [entry.partition("=") for entry in args.surrogate or ["linear=surrogate=linear", "mlp=surrogate=mlp"]]
+    for name, sep, ref in columns:
+        if not sep or not ref:
+            raise KVResearchError(f"--surrogate {name + sep + ref!r}: expected NAME=RUN, e.g. mlp=surrogate=mlp")
     extract_folder = resolve_run(args.extract, "extract")
     run = ExtractRun(extract_folder)
     rows = source_rows(run)
     results: dict[str, dict[str, dict[str, float]]] = {}
     trained_on: dict[str, str] = {}
-    for entry in args.surrogates.split(","):
-        name, ref = entry.split("=", 1)
+    for name, _, ref in columns:
         folder = resolve_run(ref, "train_surrogate")
         recorded = read_json(folder / "metrics.json", "Re-run that train_surrogate run with force=true.")
         surrogate = from_run(str(folder), recorded["kind"], model=run.model)

@@ -36,7 +36,7 @@ def test_transfer_scores_each_source_and_all_of_them(tmp_path: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
     json_out = tmp_path / "outputs"
-    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--extract", str(folder), "--surrogates",
+    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--extract", str(folder), "--surrogate",
            f"planted={tmp_path / 'planted'}", "--out", str(tmp_path), "--name", "transfer"]  # fmt: skip
     env = {**os.environ, "KVRESEARCH_OUTPUTS": str(json_out)}
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, env=env)
@@ -54,3 +54,9 @@ def test_transfer_scores_each_source_and_all_of_them(tmp_path: Path) -> None:
     assert results["fiction"]["r2_pooled_per_layer"] < results["all"]["r2_pooled_per_layer"] < 1
     table = (tmp_path / "transfer.md").read_text()
     assert "| fiction (600) |" in table and "| news (600) | 1.000 /" in table and "| all (1,200) |" in table
+
+
+def test_transfer_names_a_malformed_column() -> None:
+    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--surrogate", "mlp"]
+    done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
+    assert done.returncode != 0 and "expected NAME=RUN" in done.stderr
