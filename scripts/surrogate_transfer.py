@@ -7,7 +7,8 @@
 held-out documents of those same three sources. This script scores the finished train_surrogate runs on an
 extract of other sources (``corpus=benchmark_prose``: the contexts of the vendored benchmark data, which no
 surrogate trains on) and reports, per source and over all of them, the fit metrics of ``train_surrogate``:
-R^2 pooled per layer (the surrogate study's measure), mean per (layer, head), Spearman.
+R^2 pooled per layer (the surrogate study's measure), mean per (layer, head), Spearman. A surrogate whose extract
+trained on one of the tested sources is refused.
 
 Writes ``<out>/<name>.md`` and ``outputs/<name>.json``.
 """
@@ -36,6 +37,15 @@ def source_rows(run: ExtractRun) -> dict[str, np.ndarray]:
     rows = {source: run.rows_of(docs) for source, docs in sorted(by_source.items())}
     rows["all"] = run.rows_of({d["index"] for d in done})
     return rows
+
+
+def training_sources(recorded: dict[str, Any]) -> set[str]:
+    """Sources of the training documents of a train_surrogate run's extract (none known: empty)."""
+    extract = recorded.get("extract_run")
+    if not extract:
+        return set()
+    manifest = read_json(Path(extract) / "manifest.json", "Point --surrogate at a run whose extract still exists.")
+    return {d["source"] for d in manifest["documents"] if d.get("split") == "train"}
 
 
 def summary(metrics: dict[str, Any]) -> dict[str, float]:
@@ -105,6 +115,12 @@ def run_transfer() -> None:
     for name, _, ref in columns:
         folder = resolve_run(ref, "train_surrogate")
         recorded = read_json(folder / "metrics.json", "Re-run that train_surrogate run with force=true.")
+        seen = training_sources(recorded) & set(rows)
+        if seen:
+            raise KVResearchError(
+                f"The train_surrogate run {folder} trained on {', '.join(sorted(seen))}, which this extract tests on: "
+                "transfer needs sources the surrogate never saw. Test it on another extract (--extract)."
+            )
         surrogate = from_run(str(folder), recorded["kind"], model=run.model)
         n_train = recorded.get("rows", {}).get("train")
         of = f", {n_train:,} rows of {Path(recorded['extract_run']).name}" if n_train else ""

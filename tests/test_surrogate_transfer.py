@@ -60,3 +60,20 @@ def test_transfer_names_a_malformed_column() -> None:
     cmd = [sys.executable, "scripts/surrogate_transfer.py", "--surrogate", "mlp"]
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "expected NAME=RUN" in done.stderr
+
+
+def test_transfer_refuses_a_surrogate_trained_on_a_tested_source(tmp_path: Path) -> None:
+    layers, hidden, kv_heads = 2, 8, 1
+    planted = surrogate_run(tmp_path / "planted", layers, hidden, kv_heads, kind="linear", model="synthetic")
+    folder = tmp_path / "extract"
+    manifest = synthetic_extract(folder, lambda h: planted(h).detach(), layers, hidden, kv_heads, n_docs=2, rows=20)
+    manifest["model"] = "synthetic"
+    for doc in manifest["documents"]:
+        doc["source"] = "news"
+    (folder / "manifest.json").write_text(json.dumps(manifest))  # its train document is news, its test one too
+    recorded = json.loads((tmp_path / "planted" / "metrics.json").read_text())
+    (tmp_path / "planted" / "metrics.json").write_text(json.dumps({**recorded, "extract_run": str(folder)}))
+    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--extract", str(folder), "--surrogate",
+           f"planted={tmp_path / 'planted'}", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
+    assert done.returncode != 0 and "trained on news, which this extract tests on" in done.stderr
