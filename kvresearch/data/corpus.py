@@ -20,7 +20,7 @@ import hashlib
 import json
 import random
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,28 +136,30 @@ def offline_english(
     tokenizer: Any, min_tokens: int = 750, max_tokens: int = 1250, test_fraction: float = 0.1, seed: int = 0
 ) -> tuple[list[Document], CorpusStats]:
     """Every document of the packaged English prose; see the module docstring."""
-    return _packed(_sources(), tokenizer, min_tokens, max_tokens, test_fraction, seed)
+    return _packed(
+        _sources(), lambda source_id: split_of(source_id, test_fraction), tokenizer, min_tokens, max_tokens, seed
+    )
 
 
 def benchmark_prose(
     tokenizer: Any, min_tokens: int = 750, max_tokens: int = 1250, seed: int = 0
 ) -> tuple[list[Document], CorpusStats]:
     """Every document of the benchmark contexts' prose, all in the test split; see the module docstring."""
-    return _packed(_benchmark_sources(), tokenizer, min_tokens, max_tokens, 1.0, seed)
+    return _packed(_benchmark_sources(), lambda _: "test", tokenizer, min_tokens, max_tokens, seed)
 
 
 def _packed(
     sources: Iterable[tuple[str, str, str]],
+    split_of_source: Callable[[str], str],
     tokenizer: Any,
     min_tokens: int,
     max_tokens: int,
-    test_fraction: float,
     seed: int,
 ) -> tuple[list[Document], CorpusStats]:
-    """Sentences of (part, source id, text) grouped by part and split, packed into documents."""
+    """Sentences of (part, source id, text) grouped by part and split (of the source id), packed into documents."""
     grouped: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for part, source_id, text in sources:
-        split = "test" if test_fraction >= 1 else split_of(source_id, test_fraction)
+        split = split_of_source(source_id)
         grouped.setdefault((part, split), []).extend((source_id, s) for s in _sentences(text))
     docs, kept = [], {}
     for (part, split), sentences in grouped.items():
