@@ -5,11 +5,15 @@ subprocess so that its peak resident memory (ru_maxrss) is its own:
 
 * ``ours``: the model keeps sdpa; KVzip+ is computed from captured q, k, v in row blocks;
 * ``eager``: the KVzap reference recipe: eager attention, and a hook per layer that turns the full
-  (heads, T, T) attention matrix into KVzip+ scores.
+  (heads, T, T) attention matrix into KVzip+ scores;
+* ``ours_unordered``: ``ours`` with the last two keys swapped, so that ``kvzip_scores`` cannot use the key
+  order (each block computes and masks every key, as before 2026-12-05): what skipping the keys in a
+  block's future saves.
 
 Both score every context token of every layer. Writes ``outputs/bench/extract.json``.
 
-    .venv/bin/python scripts/bench_extract.py [--lengths 1000 2000 4000] [--threads 2]
+    .venv/bin/python scripts/bench_extract.py [--lengths 1000 2000 4000] [--methods ours ours_unordered eager]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -62,11 +66,22 @@ def _eager_scores(adapter, prompt) -> list[torch.Tensor]:
     return scores
 
 
+def _unordered(kvzip_scores):
+    """``kvzip_scores`` with the last two keys swapped: the same scores, by the path for keys in any order."""
+
+    def call(q, k, v_cols, cols, h_norm, w_o, scaling, q_pos, k_pos, **kwargs):
+        order = torch.arange(k.shape[1], device=k.device)
+        order[-2:] = order[-2:].flip(0)  # both are repeat tokens, never scored columns
+        return kvzip_scores(q, k[:, order], v_cols, cols, h_norm, w_o, scaling, q_pos, k_pos[order], **kwargs)
+
+    return call
+
+
 def child(method: str, n_tokens: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     from hydra import compose, initialize_config_dir
 
-    from kvresearch.capture import oracle_scores
+    import kvresearch.capture as capture
     from kvresearch.models import ModelAdapter, load_model
     from kvresearch.prompts import repeat_prompt
     from kvresearch.runs import CONF_DIR
@@ -77,12 +92,16 @@ def child(method: str, n_tokens: int, threads: int) -> dict:
     loaded = load_model(cfg)
     adapter = ModelAdapter(loaded.model)
     prompt = repeat_prompt(loaded.tokenizer, _context_ids(loaded.tokenizer, n_tokens))
+    if method == "ours_unordered":
+        capture.kvzip_scores = _unordered(capture.kvzip_scores)
+    if method == "eager":
+        score = lambda p: _eager_scores(adapter, p)
+    else:
+        score = lambda p: [layer.kvzip_plus for layer in capture.oracle_scores(adapter, p)]
+    score(repeat_prompt(loaded.tokenizer, _context_ids(loaded.tokenizer, 64)))  # the first pass is slower: not timed
     rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start = time.perf_counter()
-    if method == "eager":
-        plus = _eager_scores(adapter, prompt)
-    else:
-        plus = [layer.kvzip_plus for layer in oracle_scores(adapter, prompt)]
+    plus = score(prompt)
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     torch.save([p.float() for p in plus], f"/tmp/kvr_bench_{method}_{n_tokens}.pt")
@@ -100,6 +119,8 @@ def child(method: str, n_tokens: int, threads: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000])
+    methods = ["ours", "ours_unordered", "eager"]
+    parser.add_argument("--methods", nargs="+", default=methods, choices=methods)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "TOKENS"))
     args = parser.parse_args()
@@ -108,19 +129,19 @@ def main() -> None:
         return
     rows = []
     for n in args.lengths:
-        for method in ("ours", "eager"):
+        for method in args.methods:
             cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads)]
             result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if result.returncode != 0:
                 rows.append({"method": method, "context_tokens": n, "error": result.stderr.strip().splitlines()[-1]})
             else:
                 rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            a, b = (Path(f"/tmp/kvr_bench_{m}_{n}.pt") for m in ("ours", method))
+            if method != "ours" and a.exists() and b.exists():
+                ours, ref = torch.load(a), torch.load(b)
+                rel = [((x - y).abs() / y.abs().clamp_min(1e-30)).max() for x, y in zip(ours, ref, strict=True)]
+                rows[-1]["max_rel_diff_vs_ours"] = float(max(rel))
             print(rows[-1], flush=True)
-        a, b = (Path(f"/tmp/kvr_bench_{m}_{n}.pt") for m in ("ours", "eager"))
-        if a.exists() and b.exists():
-            ours, ref = torch.load(a), torch.load(b)
-            rel = max(float(((x - y).abs() / y.abs().clamp_min(1e-30)).max()) for x, y in zip(ours, ref, strict=True))
-            rows[-1]["max_rel_diff_vs_ours"] = rel
     from kvresearch.runs import outputs_root
 
     out = outputs_root() / "bench" / "extract.json"

@@ -55,6 +55,21 @@ def test_blocked_scores_equal_brute_force(window, block) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("window", [None, 30])
+def test_keys_in_any_order_and_columns_in_every_rows_future(window) -> None:
+    """Rows in the middle of the keys: blocks skip their future keys (sorted) or mask them all (shuffled)."""
+    q, k, v, w_o, h_norm, _, k_pos, _ = random_problem(seed=3)
+    q_pos, cols = torch.arange(20, 57), torch.arange(5, 80)  # columns 57 on: in the future of every row
+    ref = brute_force(q, k, v, h_norm, w_o, 0.35, q_pos, k_pos, cols, window)
+    perm = torch.randperm(len(k_pos), generator=torch.Generator().manual_seed(1))
+    where = torch.argsort(perm)  # where[i]: the shuffled index of key i
+    for keys, values, positions, scored in [(k, v, k_pos, cols), (k[:, perm], v[:, perm], k_pos[perm], where[cols])]:
+        ours = kvzip_scores(q, keys, values[:, scored], scored, h_norm, w_o, 0.35, q_pos, positions, window, block=7)
+        for a, b in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        assert (ours[0][:, 57 - 5 :] == 0).all()
+
+
 def test_value_output_norms_equal_direct_product() -> None:
     _, _, v, w_o, *_ = random_problem(seed=2)
     direct = torch.einsum("knd,kgdD->kgnD", v, w_o.view(2, 3, *w_o.shape[1:])).norm(dim=-1)

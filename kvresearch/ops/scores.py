@@ -8,7 +8,9 @@ For query rows ``j`` (the repeated copy of the context) and context keys ``i`` o
 ``a^g_{j,i}`` is the causal softmax weight of query ``j`` (head ``g``) over every key the row may see
 (``k_pos <= q_pos``, and within the sliding window when there is one). Rows are processed in blocks, so
 memory is O(kv_heads x group x block x keys), never keys x keys for all heads at once; the softmax
-denominator is exact because each block row sees all of its visible keys.
+denominator is exact because each block row sees all of its visible keys. With keys in position order (as
+the oracle passes them) a block reads only the keys up to its last row and masks only those after its first:
+in the repeat prompt, the repeated tokens; the context before them is visible to every row.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def kvzip_scores(
         w_o: (q_heads, head_dim, hidden) per-head output projection.
         scaling: softmax scale of q.k (1/sqrt(head_dim) for most models).
         q_pos: (rows,) absolute positions of the rows, for the causal (and window) mask.
-        k_pos: (n_keys,) absolute positions of the keys.
+        k_pos: (n_keys,) absolute positions of the keys (any order; ascending is faster).
         window: sliding window (key visible iff 0 <= q_pos - k_pos < window), or None.
         block: rows per block.
 
@@ -80,16 +82,30 @@ def kvzip_scores(
     n_cols = cols.numel()
     contiguous = n_cols > 0 and int(cols[-1] - cols[0]) == n_cols - 1 and bool((cols.diff() == 1).all())
     take = slice(int(cols[0]), int(cols[0]) + n_cols) if contiguous else cols  # a view when contiguous
+    ordered = bool((k_pos.diff() >= 0).all())
+    min_end = int(cols.max()) + 1 if n_cols else 0  # every scored column stays in the block's keys
     for start in range(0, rows, block):
         stop = min(start + block, rows)
+        seen, end = _mask_span(q_pos[start:stop], k_pos, window, min_end) if ordered else (0, k_pos.numel())
         qb = q[:, :, start:stop]
-        logits = (qb.reshape(kv_heads, -1, d) @ k_t).view(*qb.shape[:3], -1)  # one bmm: (Hkv, G, B, N)
-        delta = q_pos[start:stop, None] - k_pos[None, :]  # (B, N)
+        logits = (qb.reshape(kv_heads, -1, d) @ k_t[..., :end]).view(*qb.shape[:3], -1)  # one bmm: (Hkv, G, B, end)
+        delta = q_pos[start:stop, None] - k_pos[None, seen:end]  # (B, end - seen)
         hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
-        logits.masked_fill_(hidden, float("-inf"))  # causal (+ window)
+        logits[..., seen:].masked_fill_(hidden, float("-inf"))  # causal (+ window)
         top = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)  # a row that sees nothing: 0s
         weights = logits.sub_(top).exp_()  # in place: softmax numerators
         attn = weights[..., take] / weights.sum(dim=-1, keepdim=True)  # exact denominator over all visible keys
         best = torch.maximum(best, attn.amax(dim=2))
-        best_plus = torch.maximum(best_plus, (attn / h_norm[start:stop, None]).amax(dim=2))
+        best_plus = torch.maximum(best_plus, attn.div_(h_norm[start:stop, None]).amax(dim=2))
     return best.amax(dim=1), (best_plus * wov).amax(dim=1)
+
+
+def _mask_span(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, min_end: int) -> tuple[int, int]:
+    """For keys sorted by position, the span ``[seen, end)`` of keys that rows ``q_pos`` need masked.
+
+    Keys from ``end`` on are in every row's future (left out of the block, unless a scored column, up to
+    ``min_end``, is among them); without a window, keys before ``seen`` are visible to every row (no mask).
+    """
+    end = max(int(torch.searchsorted(k_pos, q_pos.max(), right=True)), min_end)
+    seen = 0 if window is not None else min(int(torch.searchsorted(k_pos, q_pos.min(), right=True)), end)
+    return seen, end
