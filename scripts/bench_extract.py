@@ -10,7 +10,7 @@ subprocess so that its peak resident memory (ru_maxrss) is its own:
   order (each block computes and masks every key, as before 2026-12-05): what skipping the keys in a
   block's future saves.
 
-Both score every context token of every layer. Writes ``outputs/bench/extract.json``.
+Each scores every context token of every layer. Writes ``outputs/bench/extract.json``.
 
     .venv/bin/python scripts/bench_extract.py [--lengths 1000 2000 4000] [--methods ours ours_unordered eager]
         [--threads 2]
