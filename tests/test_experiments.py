@@ -255,10 +255,16 @@ def test_a_single_ratio_table_plots_its_rows_side_by_side_and_a_curve_against_th
     m = bootstrap_mean([0.0, 1.0, 1.0])
     full = {"row": "full", "x": 0.0, "mean": m, "reference": True}
     ablation = [full, *({"row": r, "x": 0.937 + 0.001 * i, "mean": m} for i, r in enumerate(["a", "b", "c"]))]
-    curve = [full, *({"row": "a", "x": x, "mean": m} for x in (0.5, 0.75))]
+    curve = [full, *({"row": r, "x": x, "mean": m} for r in ("c", "a") for x in (0.5, 0.75))]
+    colors = {"a": "C0", "b": "C1", "c": "C2"}
     fig, (left, right) = plt.subplots(1, 2)
-    assert cli.curve_panel(left, ablation, None) == pytest.approx(0.938)
+    assert cli.curve_panel(left, ablation, None, colors) == pytest.approx(0.938)
     assert [t.get_text() for t in left.get_xticklabels()] == ["a", "b", "c"]
-    assert cli.curve_panel(right, curve, None) is None  # two ratios: the x-axis is the prune ratio
+    assert cli.curve_panel(right, curve, None, colors) is None  # two ratios: the x-axis is the prune ratio
     assert right.get_xlim()[0] < 0.5 < 0.75 < right.get_xlim()[1]
+    # a row keeps its colour in a panel that lacks another row, and comes first there
+    handles, labels = right.get_legend_handles_labels()
+    pairs = zip(handles, labels, strict=True)
+    drawn = {label: matplotlib.colors.to_hex(h[0].get_color()) for h, label in pairs if label != "full"}
+    assert drawn == {"c": matplotlib.colors.to_hex("C2"), "a": matplotlib.colors.to_hex("C0")}
     plt.close(fig)
