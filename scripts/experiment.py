@@ -86,15 +86,21 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"{len(failed)} cells failed ({listing}); fix and re-run: finished cells are skipped.")
 
 
-def fit_panel(ax: Any, mine: list[dict[str, Any]], colors: dict[str, str]) -> None:
+def row_color(rows: list[str], row: str) -> str:
+    """A row's colour: its place among the figure's ``rows``, so it is the same in every panel."""
+    return f"C{rows.index(row) % 10}"
+
+
+def fit_panel(ax: Any, mine: list[dict[str, Any]], rows: list[str]) -> None:
     """Held-out R^2 per layer, one line per surrogate."""
     for p in mine:
-        ax.plot(range(len(p["layers"])), p["layers"], marker="o", label=p["row"], color=colors[p["row"]])
+        ax.plot(range(len(p["layers"])), p["layers"], marker="o", label=p["row"], color=row_color(rows, p["row"]))
 
 
-def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None, colors: dict[str, str]) -> float | None:
-    """One metric (the main one, or the extra metric ``also``) against the measured prune ratio, per row,
-    each row in its colour of ``colors`` (the same in every panel, whichever rows a panel lacks).
+def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None, rows: list[str]) -> float | None:
+    """One metric (the main one, or the extra metric ``also``) against the measured prune ratio, per row;
+    a row's colour and x offset follow its place among the figure's ``rows`` (compressed rows only), so they
+    are the same in every panel, whichever rows a panel lacks.
 
     When every compressed point sits at one ratio (an ablation table), the rows go side by side on a
     categorical axis instead; returns that shared ratio then (None for a curve).
@@ -114,8 +120,7 @@ def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None, colors: d
             continue
         ys = [value(p) for p in got]
         err = [[m.mean - m.low for m in ys], [m.high - m.mean for m in ys]]
-        i = list(colors).index(row)
-        xs = [len(names)] * len(got) if single else [p["x"] + step * (i - 2) for p in got]
+        xs = [len(names)] * len(got) if single else [p["x"] + step * (rows.index(row) - 2) for p in got]
         names.append(row)
         label = None if single else row  # side by side, the tick labels name the rows
         ax.errorbar(
@@ -125,7 +130,7 @@ def curve_panel(ax: Any, mine: list[dict[str, Any]], also: str | None, colors: d
             marker="o",
             capsize=3,
             label=label,
-            color=colors[row],
+            color=row_color(rows, row),
         )
     if not single:
         return None
@@ -148,17 +153,16 @@ def figure(exp: Any, variant: str, points: list[dict[str, Any]], stem: Path) -> 
     size = (max(8, 6 * len(models)), 4.5 * len(shown))
     decoding = experiments.x_axis(exp) == "decode_prune_ratio"
     when = "at the end of each generation" if decoding else "at prefill"
-    rows = dict.fromkeys(p["row"] for p in points if not p.get("reference"))
-    colors = {row: f"C{i % 10}" for i, row in enumerate(rows)}
+    rows = list(dict.fromkeys(p["row"] for p in points if not p.get("reference")))
     fig, axes = plt.subplots(len(shown), len(models), figsize=size, squeeze=False)
     for panels, name in zip(axes, shown, strict=True):
         for ax, model in zip(panels, models, strict=True):
             mine = [p for p in points if p["model"] == model]
             ratio = None
             if fit:
-                fit_panel(ax, mine, colors)
+                fit_panel(ax, mine, rows)
                 ax.set(xlabel="layer", ylabel="held-out R^2 (pooled per layer)")
-            elif (ratio := curve_panel(ax, mine, name if name != metric else None, colors)) is not None:
+            elif (ratio := curve_panel(ax, mine, name if name != metric else None, rows)) is not None:
                 ax.set(xlabel=f"method, all at a measured prune ratio of {ratio:.3f} ({when})", ylabel=name)
             else:
                 ax.set(xlabel=f"prune ratio (measured share of KV entries evicted {when})", ylabel=name)

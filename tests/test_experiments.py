@@ -256,11 +256,11 @@ def test_a_single_ratio_table_plots_its_rows_side_by_side_and_a_curve_against_th
     full = {"row": "full", "x": 0.0, "mean": m, "reference": True}
     ablation = [full, *({"row": r, "x": 0.937 + 0.001 * i, "mean": m} for i, r in enumerate(["a", "b", "c"]))]
     curve = [full, *({"row": r, "x": x, "mean": m} for r in ("c", "a") for x in (0.5, 0.75))]
-    colors = {"a": "C0", "b": "C1", "c": "C2"}
+    rows = ["a", "b", "c"]  # the figure's rows: a is C0, c is C2 in every panel
     fig, (left, right) = plt.subplots(1, 2)
-    assert cli.curve_panel(left, ablation, None, colors) == pytest.approx(0.938)
+    assert cli.curve_panel(left, ablation, None, rows) == pytest.approx(0.938)
     assert [t.get_text() for t in left.get_xticklabels()] == ["a", "b", "c"]
-    assert cli.curve_panel(right, curve, None, colors) is None  # two ratios: the x-axis is the prune ratio
+    assert cli.curve_panel(right, curve, None, rows) is None  # two ratios: the x-axis is the prune ratio
     assert right.get_xlim()[0] < 0.5 < 0.75 < right.get_xlim()[1]
     # a row keeps its colour in a panel that lacks another row, and comes first there
     handles, labels = right.get_legend_handles_labels()
