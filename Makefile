@@ -81,7 +81,7 @@ surrogate-curve: $(STAMP) ## the learning curve up to every packaged document: e
 	$(PY) -m kvresearch.stages.extract $(EXTRACT_ALL)
 	$(PY) scripts/surrogate_study.py --extract $(EXTRACT_ALL_RUN) --parts curve --name surrogate_curve_all $(ARGS)
 
-surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min; ARGS='--fit mlp' for the MLP)
+surrogate-probe: $(STAMP) ## what the surrogate's input lacks: ridge on h plus value norms / position, essays left out (~8 min; ARGS: --fit mlp, --inputs counts)
 	$(PY) scripts/surrogate_probe.py $(ARGS)
 
 surrogate-transfer: $(STAMP) ## after train-surrogate: its surrogates on sources none trains on (news, science, fiction; ~9 min extract + 1 min)

@@ -1,8 +1,8 @@
 """What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
 
     .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
-        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position] [--alphas 1,100,...]
-        [--fit ridge|mlp] [--out outputs/surrogate_probe.json]
+        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position,counts] [--alphas 1,100,...]
+        [--fit ridge|mlp] [--mlp-layers 1] [--out outputs/surrogate_probe.json]
 
 Each input set is a closed-form ridge per layer (float64, ``kvresearch.ops.ridge``, as ``surrogate=linear``;
 alpha 1 as its default, or each of ``--alphas``, solved from the same statistics) trained on every document
@@ -16,13 +16,19 @@ study's measure), mean over the chosen layers:
   above the document length; rows whose neighbour was not sampled use their own h, and the share that had
   both neighbours is reported);
 * ``position``: h_i and log(1 + i), the offset inside the document;
+* ``counts``: h_i and six in-document counts, each as log(1 + n), that no per-token surrogate sees: how often
+  the token occurs in its document, how often the previous token does (the keys an induction head splits its
+  attention over), how often the bigram (previous, this) does, the earlier occurrences of the token and of the
+  bigram, and the document's length. The token ids come from rebuilding the extract's corpus
+  (its ``config.yaml``), checked document by document against its manifest;
 * ``a+b``: h_i and what both add (``value_norms+position``);
 * ``factored`` (``--fit mlp`` only): the MLP reads h_i alone and predicts one term per query head g; the exact
   log ||v_i W_O^g|| is added to it and the group's max taken as a logsumexp, the KVzip+ score's own form.
 
 ``--fit mlp`` trains the recipe's MLP instead (``conf/surrogate/mlp.yaml``: width D/8, AdamW, cosine, its
 weight decay, epochs and batch; Lightning, all chosen layers at once, as ``train_surrogate`` does) on the
-same inputs, without a validation split.
+same inputs, without a validation split; ``--mlp-layers N`` gives it N hidden layers of that width
+(``+surrogate.mlp_layers=N`` in ``train_surrogate``).
 
 Written to ``--out`` (JSON: per layer and mean per input set); the numbers are quoted in docs/surrogates.md.
 """
@@ -42,6 +48,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from sklearn.metrics import r2_score
 from surrogate_study import study_extract  # scripts/
 
+from kvresearch.data.corpus import load_corpus
+from kvresearch.extraction import cap_documents
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.ops.scores import value_output_norms
@@ -50,15 +58,68 @@ from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.lightning import SurrogateModule
 from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
 
-INPUTS = ("h", "value_norms", "neighbours", "position", "factored")
+INPUTS = ("h", "value_norms", "neighbours", "position", "counts", "factored")
+COUNTS = ("token", "previous token", "bigram", "token before", "bigram before", "document length")
+
+
+def token_counts(ids: np.ndarray) -> np.ndarray:
+    """(n, 6) float32: log(1 + count) of each :data:`COUNTS` entry at every position of one document's ids (n,).
+
+    The previous token and the bigram of position 0 do not exist: their counts are 0.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    out = np.zeros((n, len(COUNTS)), np.float64)
+    if n == 0:
+        return out.astype(np.float32)
+    bigram = ids[:-1] * (int(ids.max()) + 1) + ids[1:]  # bigram[p - 1] ends at position p
+    token_total, token_before = _occurrences(ids)
+    out[:, 0], out[:, 3], out[:, 5] = token_total, token_before, n
+    out[1:, 1] = token_total[:-1]
+    out[1:, 2], out[1:, 4] = _occurrences(bigram)
+    return np.log1p(out).astype(np.float32)
+
+
+def _occurrences(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per element of ``keys`` (n,): how often its value occurs in all of ``keys``, and before it."""
+    _, inverse, totals = np.unique(keys, return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")  # equal keys together, in their original order
+    first = np.r_[0, np.cumsum(totals)[:-1]]  # where each key's run starts in ``order``
+    before = np.empty(len(keys), np.int64)
+    before[order] = np.arange(len(keys)) - first[inverse[order]]
+    return totals[inverse], before
+
+
+def document_counts(folder: Path, run: ExtractRun, tokenizer: Any) -> dict[int, np.ndarray]:
+    """Document index -> :func:`token_counts` of its ids, the documents rebuilt from the run's own config."""
+    cfg = OmegaConf.load(folder / "config.yaml")
+    docs = cap_documents(load_corpus(cfg.corpus, tokenizer, cfg.seed)[0], cfg.extract.max_docs)
+    out = {}
+    for entry in run.manifest["documents"]:
+        i = entry["index"]
+        doc = docs[i] if i < len(docs) else None
+        if doc is None or doc.doc_id != entry["doc_id"]:
+            raise SystemExit(
+                f"'counts': the corpus that {folder / 'config.yaml'} builds today does not hold the manifest's "
+                f"document {i} ({entry['doc_id']}; rebuilt: {doc.doc_id if doc else 'none'}): the packaged corpus "
+                "changed since this run. Probe a fresh extract of it, or leave 'counts' out."
+            )
+        if entry["status"] == "done":
+            out[i] = token_counts(np.asarray(tokenizer(doc.text, add_special_tokens=False).input_ids))
+    return out
 
 
 class Split:
-    """The rows of some documents: hidden states (rows, layers, D), scores (rows, layers, Hkv), neighbours."""
+    """The rows of some documents: hidden states (rows, layers, D), scores (rows, layers, Hkv), neighbours.
 
-    def __init__(self, run: ExtractRun, documents: set[int]):
+    The hidden states stay in the extract's own dtype (bfloat16 by default: half the memory, converted exactly).
+
+    ``counts`` (document index -> (n_tokens, 6)): the rows' in-document counts, for the ``counts`` input.
+    """
+
+    def __init__(self, run: ExtractRun, documents: set[int], counts: dict[int, np.ndarray] | None = None):
         rows = run.rows_of(documents)
-        self.h, self.y = run.fetch(rows)
+        self.h, self.y = run.fetch(rows, run.stored_dtype)
         pos = np.concatenate([np.asarray(s.pos) for s in run.shards])[rows]
         doc = run.doc[rows]
         where = {(int(d), int(p)): i for i, (d, p) in enumerate(zip(doc, pos, strict=True))}
@@ -67,12 +128,15 @@ class Split:
         self.next = torch.tensor([where.get((int(d), int(p) + 1), i) for i, d, p in zip(own, doc, pos, strict=True)])
         own_t = torch.arange(len(rows))
         self.both_neighbours = float(((self.prev != own_t) & (self.next != own_t)).float().mean())
+        self.counts: torch.Tensor | None = None
         self.log_pos = torch.log1p(torch.from_numpy(pos.astype(np.float32)))[:, None]
+        if counts is not None:
+            self.counts = torch.from_numpy(np.stack([counts[d][p] for d, p in zip(doc, pos, strict=True)]))
 
 
 def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.Tensor:
     """(rows, columns) that input ``name`` adds to h at one layer (none for ``h``)."""
-    h = split.h[:, layer]
+    h = split.h[:, layer].float()
     if name == "h":
         return h[:, :0]
     if name in ("value_norms", "factored"):
@@ -84,18 +148,25 @@ def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.T
         return torch.cat([h[split.prev], h[split.next]], 1)
     if name == "position":
         return split.log_pos
+    if name == "counts":
+        assert split.counts is not None, "built without counts"
+        return split.counts
     raise SystemExit(f"unknown input {name!r}; choose from {', '.join(INPUTS)} (join with + to combine)")
 
 
 def features(split: Split, layer: int, which: str, adapter: ModelAdapter) -> torch.Tensor:
     """(rows, features) of one input set (``value_norms+position``: h and both) at one layer."""
-    return torch.cat([split.h[:, layer], *(extra(split, layer, name, adapter) for name in which.split("+"))], 1)
+    return torch.cat([split.h[:, layer].float(), *(extra(split, layer, name, adapter) for name in which.split("+"))], 1)
 
 
 def stacked(split: Split, layers: list[int], which: str, adapter: ModelAdapter) -> torch.Tensor:
-    """(rows, len(layers), features) of one input set at every chosen layer."""
+    """(rows, len(layers), features) of one input set at every chosen layer, in the hidden states' dtype.
+
+    A bfloat16 extract's extra columns are rounded to bfloat16 too: the rows of every document of a corpus fit
+    in memory (the MLP computes in float32; h itself is exact either way).
+    """
     first = features(split, layers[0], which, adapter)
-    out = first.new_empty(len(first), len(layers), first.shape[1])
+    out = first.new_empty(len(first), len(layers), first.shape[1], dtype=split.h.dtype)
     out[:, 0] = first
     for i, layer in enumerate(layers[1:], 1):
         out[:, i] = features(split, layer, which, adapter)
@@ -140,21 +211,23 @@ def mlp_r2(
     recipe: DictConfig,
     hidden: int,
     factored: bool,
+    mlp_layers: int = 1,
+    seed: int = 0,
 ) -> list[float]:
     """Held-out R^2 per layer (pooled over heads and rows) of the recipe's MLP, all layers trained at once.
 
     x: (rows, layers, features), h's ``hidden`` (D) columns first; y: (rows, layers, Hkv). The width is the
-    recipe's (D/8 unless it sets one) whatever the inputs. ``factored``: the columns after h are the log
-    norms that :class:`Factored` adds to the MLP's terms, one per query head.
+    recipe's (D/8 unless it sets one) whatever the inputs, ``mlp_layers`` hidden layers of it. ``factored``: the
+    columns after h are the log norms that :class:`Factored` adds to the MLP's terms, one per query head.
     """
     layers, features, kv_heads = x.shape[1], x.shape[2], y.shape[2]
     width = int(recipe.mlp_hidden or hidden // 8)
-    L.seed_everything(0, verbose=False)  # the initial weights and the order
+    L.seed_everything(seed, verbose=False)  # the initial weights and the order
     if factored:
-        mlp = Surrogate(SurrogateConfig("mlp", layers, hidden, features - hidden, width))
+        mlp = Surrogate(SurrogateConfig("mlp", layers, hidden, features - hidden, width, mlp_layers=mlp_layers))
         net: torch.nn.Module = Factored(mlp, hidden, kv_heads)
     else:
-        net = Surrogate(SurrogateConfig("mlp", layers, features, kv_heads, width))
+        net = Surrogate(SurrogateConfig("mlp", layers, features, kv_heads, width, mlp_layers=mlp_layers))
     data = torch.utils.data.TensorDataset(x, y)  # indexed a batch at a time (a list of rows), not row by row
     order = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(data), int(recipe.batch_size), False)
     batches = torch.utils.data.DataLoader(data, sampler=order, batch_size=None)
@@ -178,6 +251,8 @@ def main() -> None:
     parser.add_argument("--alphas", default="1", help="ridge penalties, comma-separated (1: surrogate=linear's)")
     parser.add_argument("--fit", choices=("ridge", "mlp"), default="ridge")
     parser.add_argument("--set", nargs="*", default=[], help="--fit mlp: recipe overrides, e.g. weight_decay=0.01")
+    parser.add_argument("--mlp-layers", type=int, default=1, help="--fit mlp: hidden layers of the recipe's width")
+    parser.add_argument("--seed", type=int, default=0, help="--fit mlp: the initial weights and the batch order")
     parser.add_argument("--out", default=str(outputs_root() / "surrogate_probe.json"))
     args = parser.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -195,12 +270,14 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     folder = resolve_run(args.extract or study_extract(), "extract")
     run = ExtractRun(folder)
-    adapter = ModelAdapter(load_model(OmegaConf.load(folder / "config.yaml").model).model)
+    loaded = load_model(OmegaConf.load(folder / "config.yaml").model)
+    adapter = ModelAdapter(loaded.model)
     docs = [d for d in run.manifest["documents"] if d["status"] == "done"]
     if args.left_out not in {d["source"] for d in docs}:
         raise SystemExit(f"no source {args.left_out!r} in {folder}; sources: {sorted({d['source'] for d in docs})}")
-    train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out})
-    test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out})
+    counts = document_counts(folder, run, loaded.tokenizer) if any("counts" in w for w in inputs) else None
+    train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out}, counts)
+    test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out}, counts)
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
     label = {(w, a): w if len(alphas) == 1 else f"{w}@alpha={a:g}" for w in inputs for a in alphas}
     per_layer: dict[str, list[float]] = {name: [] for name in label.values()} if args.fit == "ridge" else {}
@@ -208,7 +285,8 @@ def main() -> None:
         x, x_test = (stacked(split, layers, which, adapter) for split in (train, test))
         factored = which == "factored"
         y, y_test = train.y[:, layers], test.y[:, layers]
-        per_layer[which] = mlp_r2(x, y, x_test, y_test, recipe, adapter.hidden_size, factored)
+        shape = (adapter.hidden_size, factored, args.mlp_layers, args.seed)
+        per_layer[which] = mlp_r2(x, y, x_test, y_test, recipe, *shape)
         del x, x_test  # before the next input set's copies (Lightning's trainer holds them in a cycle)
         gc.collect()
         print(f"[probe] mlp on {which}: " + " ".join(f"{v:.3f}" for v in per_layer[which]), flush=True)
@@ -221,7 +299,8 @@ def main() -> None:
         print(f"[probe] layer {layer}: " + " ".join(f"{w} {v[-1]:.3f}" for w, v in per_layer.items()), flush=True)
     result: dict[str, Any] = {
         "extract": str(folder), "left_out": args.left_out, "layers": layers, "fit": args.fit,
-        **({"recipe": OmegaConf.to_container(recipe)} if args.fit == "mlp" else {"alphas": alphas}),
+        **({"recipe": OmegaConf.to_container(recipe), "mlp_layers": args.mlp_layers, "seed": args.seed}
+           if args.fit == "mlp" else {"alphas": alphas}),
         "rows": {"train": len(train.y), "test": len(test.y)},
         "both_neighbours_share": {"train": train.both_neighbours, "test": test.both_neighbours},
         "r2_pooled_per_layer": per_layer, "mean": {w: float(np.mean(v)) for w, v in per_layer.items()},

@@ -23,6 +23,7 @@ from kvresearch.surrogate import Surrogate, SurrogateConfig
 from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.export import to_kvpress
 from kvresearch.surrogate.metrics import fit_metrics
+from kvresearch.surrogate.modules import from_run
 from tests import helpers
 from tests.helpers import compose_stage
 
@@ -170,3 +171,39 @@ def test_hydra_multirun_over_surrogate_types(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     runs = sorted(p.name for p in (tmp_path / "out" / "train_surrogate").iterdir() if p.is_dir())
     assert len(runs) == 2 and all((tmp_path / "out" / "train_surrogate" / r / "DONE").is_file() for r in runs)
+
+
+def test_a_deeper_mlp_is_the_stacked_per_layer_network_and_kvpress_refuses_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    deep = Surrogate(SurrogateConfig("mlp", LAYERS, D, HEADS, mlp_hidden=5, mlp_layers=3)).eval()
+    shapes = [(LAYERS, D, 5), (LAYERS, 5, 5), (LAYERS, 5, 5), (LAYERS, 5, HEADS)]
+    assert [tuple(w.shape) for w in deep.weights] == shapes
+    h = torch.randn(7, LAYERS, D, dtype=torch.float64)
+    for layer in range(LAYERS):  # nn.Linear by nn.Linear, in float64
+        x = h[:, layer]
+        for i, (w, b) in enumerate(zip(deep.weights, deep.biases, strict=True)):
+            x = x @ w[layer].double() + b[layer].double()
+            x = torch.nn.functional.gelu(x) if i < 3 else x
+        torch.testing.assert_close(deep(h)[:, layer].double(), x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(deep.forward_layer(layer, h[:, layer]).double(), x, rtol=1e-5, atol=1e-5)
+    deep.save(tmp_path / "deep")
+    again = Surrogate.load(tmp_path / "deep")
+    assert again.config.mlp_layers == 3 and torch.equal(again(h), deep(h))
+    with pytest.raises(KVResearchError, match=r"one hidden layer; this MLP has 3 \(surrogate.mlp_layers\)"):
+        to_kvpress(deep, tmp_path / "kvpress")
+    teacher("mlp").save(tmp_path / "old")  # a surrogate.json written before mlp_layers existed loads as 1
+    cfg = json.loads((tmp_path / "old" / "surrogate.json").read_text())
+    del cfg["mlp_layers"]
+    (tmp_path / "old" / "surrogate.json").write_text(json.dumps(cfg))
+    assert Surrogate.load(tmp_path / "old").config.mlp_layers == 1
+    with pytest.raises(KVResearchError, match="mlp_layers must be at least 1"):
+        SurrogateConfig("mlp", LAYERS, D, HEADS, mlp_layers=0)
+
+
+def test_the_stage_trains_a_deeper_mlp_and_skips_the_kvpress_export(tmp_path: Path) -> None:
+    synthetic_extract(tmp_path / "extract", planted, n_docs=8, rows=40)
+    overrides = ("surrogate=mlp", "surrogate.epochs=2", "+surrogate.mlp_layers=2")
+    metrics = train(tmp_path / "train", tmp_path / "extract", *overrides)
+    assert metrics["flops_per_token_per_layer"] == 2 * (D * (D // 8) + (D // 8) ** 2 + (D // 8) * HEADS)
+    assert from_run(str(tmp_path / "train"), "mlp").config.mlp_layers == 2  # what a KVzap method loads
+    assert not (tmp_path / "train" / "kvpress").exists()

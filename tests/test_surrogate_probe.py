@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,13 +10,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 
 from kvresearch.models import ModelAdapter
 from kvresearch.ops.scores import value_output_norms
-from kvresearch.runs import repo_root
-from tests.helpers import model_config, synthetic_extract
+from kvresearch.runs import execute, repo_root
+from kvresearch.stages.extract import run as extract_stage
+from kvresearch.surrogate.data import ExtractRun
+from tests.helpers import compose_stage, model_config, synthetic_extract
+
+
+def load_script(name: str) -> Any:
+    """scripts/<name>.py as a module, registered so that its sibling scripts import it by name."""
+    spec = importlib.util.spec_from_file_location(name, repo_root() / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+load_script("surrogate_study")  # the probe imports it
+probe_script = load_script("surrogate_probe")
 
 
 def log_norms(adapter: ModelAdapter, h: torch.Tensor, layer: int) -> torch.Tensor:
@@ -96,3 +114,50 @@ def test_the_factored_mlp_fits_a_target_of_the_kvzip_plus_form_that_a_plain_mlp_
     typo = [*bad[:2], "--extract", str(tmp_path / "extract"), "--fit", "mlp", "--set", "weightdecay=0"]
     done = subprocess.run(typo, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "weightdecay" in done.stderr and "weight_decay" in done.stderr
+
+
+def test_token_counts_equal_a_brute_force_count() -> None:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 6, 300)  # few distinct ids: every count is exercised many times
+    got = probe_script.token_counts(ids)
+    want = np.zeros((len(ids), 6))
+    for p, t in enumerate(ids):
+        bigrams = [(ids[q - 1], ids[q]) for q in range(1, len(ids))]
+        want[p, 0] = (ids == t).sum()
+        want[p, 3] = (ids[:p] == t).sum()
+        want[p, 5] = len(ids)
+        if p:
+            want[p, 1] = (ids == ids[p - 1]).sum()
+            want[p, 2] = bigrams.count((ids[p - 1], t))
+            want[p, 4] = bigrams[: p - 1].count((ids[p - 1], t))
+    np.testing.assert_allclose(got, np.log1p(want), rtol=1e-6)
+    assert probe_script.token_counts(np.zeros(0, np.int64)).shape == (0, 6)
+
+
+def test_counts_come_from_the_extracts_own_documents_and_a_changed_corpus_is_refused(tmp_path: Path, tiny) -> None:
+    overrides = ["model=tiny_random", "corpus.min_tokens=60", "corpus.max_tokens=120", "corpus.n_train_per_source=2",
+                 "corpus.n_test_per_source=0", "extract.samples_per_doc=30"]  # fmt: skip
+    execute(compose_stage("extract", tmp_path / "extract", overrides), extract_stage)
+    run = ExtractRun(tmp_path / "extract")
+    counts = probe_script.document_counts(tmp_path / "extract", run, tiny.tokenizer)
+    docs = run.manifest["documents"]
+    assert sorted(counts) == [d["index"] for d in docs] and len(docs) == 6
+    for d in docs:  # one row per token of the document, its length in the last column
+        assert counts[d["index"]].shape == (d["n_tokens"], 6)
+        np.testing.assert_allclose(counts[d["index"]][:, 5], np.log1p(d["n_tokens"]), rtol=1e-6)
+    split = probe_script.Split(run, {d["index"] for d in docs}, counts)
+    assert split.h.dtype == run.stored_dtype == torch.bfloat16  # as stored: half of float32's memory, exact
+    torch.testing.assert_close(split.h.float(), run.fetch(run.rows_of({d["index"] for d in docs}))[0], rtol=0, atol=0)
+    pos = np.concatenate([np.asarray(s.pos) for s in run.shards])
+    row = 7  # the counts follow each row's own document and position
+    np.testing.assert_array_equal(split.counts[row].numpy(), counts[int(run.doc[row])][int(pos[row])])
+
+    # the probe runs on the real extract above (its teacher builds synthetic ones only)
+    result = probe(tmp_path, lambda h: h, ModelAdapter(tiny.model), "--inputs", "h,counts")
+    assert set(result["mean"]) == {"h", "counts"}
+
+    manifest = json.loads((tmp_path / "extract" / "manifest.json").read_text())
+    manifest["documents"][2]["doc_id"] = "essays/train/999"
+    (tmp_path / "extract" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match=r"does not hold the manifest's document 2 \(essays/train/999"):
+        probe_script.document_counts(tmp_path / "extract", ExtractRun(tmp_path / "extract"), tiny.tokenizer)

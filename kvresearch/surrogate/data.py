@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from kvresearch.data.shards import Shard, hidden_from_numpy, open_shard
+from kvresearch.data.shards import HIDDEN_DTYPES, Shard, hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import read_json
 
@@ -53,6 +53,11 @@ class ExtractRun:
         self.doc = np.concatenate([np.asarray(s.doc) for s in self.shards]) if self.shards else np.zeros(0, np.int32)
 
     @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype the shards store hidden states in (converting it to float32 is exact)."""
+        return HIDDEN_DTYPES[self.layout.get("hidden_dtype", "bfloat16")]
+
+    @property
     def model(self) -> str:
         """The model the run was extracted from."""
         return str(self.manifest["model"])
@@ -73,15 +78,18 @@ class ExtractRun:
         """Global row indices of the given documents, ascending."""
         return np.flatnonzero(np.isin(self.doc, np.fromiter(documents, dtype=np.int64)))
 
-    def fetch(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """H (n, layers, hidden) float32 and y (n, layers, kv_heads) float32 for global ``rows`` (any order)."""
+    def fetch(self, rows: np.ndarray, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """H (n, layers, hidden) in ``dtype`` and y (n, layers, kv_heads) float32 for global ``rows`` (any order).
+
+        ``stored_dtype``: H exactly as stored, at half the memory of float32 for a bfloat16 extract.
+        """
         rows = np.sort(np.asarray(rows))
         which = np.searchsorted(self.offsets, rows, side="right") - 1
         hs, ys = [], []
         for s in np.unique(which):
             local = rows[which == s] - self.offsets[s]
             shard = self.shards[s]
-            hs.append(hidden_from_numpy(shard.hidden[local], self.layout["hidden_dtype"]).float())
+            hs.append(hidden_from_numpy(shard.hidden[local], self.layout["hidden_dtype"]).to(dtype))
             ys.append(torch.from_numpy(np.ascontiguousarray(shard.scores[local])))
         return torch.cat(hs), torch.cat(ys)
 

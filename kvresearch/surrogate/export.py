@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
+from kvresearch.errors import KVResearchError
 from kvresearch.surrogate.modules import Surrogate
+
+
+def kvpress_loads(surrogate: Surrogate) -> bool:
+    """Whether kvpress's ``KVzapModel`` has ``surrogate``'s shape (a linear map or one hidden layer)."""
+    return surrogate.config.kind == "linear" or surrogate.config.mlp_layers == 1
 
 
 def kvpress_model(surrogate: Surrogate) -> Any:
@@ -15,6 +21,11 @@ def kvpress_model(surrogate: Surrogate) -> Any:
     from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 
     cfg = surrogate.config
+    if not kvpress_loads(surrogate):
+        raise KVResearchError(
+            f"kvpress's KVzapModel has one hidden layer; this MLP has {cfg.mlp_layers} (surrogate.mlp_layers). "
+            "Use it through kvresearch's KVzap methods, or train one with surrogate.mlp_layers=1 for kvpress."
+        )
     model = KVzapModel(
         KVzapConfig(
             input_dim=cfg.hidden,

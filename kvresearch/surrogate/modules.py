@@ -4,7 +4,8 @@ All layers live in one module with stacked weights, so a batch of (rows, layers,
 batched matmul instead of a Python loop of small ones:
 
 * linear: ``h W_l + b_l`` with W_l of shape (hidden, kv_heads);
-* mlp: ``GELU(h W1_l + b1_l) W2_l + b2_l`` with W1_l (hidden, hidden/8) and W2_l (hidden/8, kv_heads).
+* mlp: ``GELU(h W1_l + b1_l) W2_l + b2_l`` with W1_l (hidden, hidden/8) and W2_l (hidden/8, kv_heads);
+  ``mlp_layers`` > 1 stacks that many GELU layers of the same width before the output map.
 
 Plain ``nn.Module``: usable without Lightning. Saved as safetensors plus a JSON config.
 """
@@ -39,10 +40,13 @@ class SurrogateConfig:
     kv_heads: int
     mlp_hidden: int | None = None  # D/8 for the MLP by default
     model: str | None = None  # the model the surrogate was trained for
+    mlp_layers: int = 1  # hidden layers of the MLP (1: the reference's shape, the only one kvpress loads)
 
     def __post_init__(self) -> None:
         if self.kind not in ("linear", "mlp"):
             raise KVResearchError(f"surrogate kind must be 'linear' or 'mlp', got {self.kind!r}")
+        if self.mlp_layers < 1:
+            raise KVResearchError(f"surrogate.mlp_layers must be at least 1, got {self.mlp_layers}")
 
 
 class Surrogate(nn.Module):
@@ -55,7 +59,7 @@ class Surrogate(nn.Module):
         self.config = config
         self.source: str | None = None  # the train_surrogate run it came from, when loaded from one
         L, D, H = config.layers, config.hidden, config.kv_heads
-        widths = [D, H] if config.kind == "linear" else [D, int(config.mlp_hidden or 0), H]
+        widths = [D, H] if config.kind == "linear" else [D, *[int(config.mlp_hidden or 0)] * config.mlp_layers, H]
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
         for fan_in, fan_out in itertools.pairwise(widths):

@@ -23,7 +23,7 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.surrogate.data import ExtractRun, predict
-from kvresearch.surrogate.export import to_kvpress
+from kvresearch.surrogate.export import kvpress_loads, to_kvpress
 from kvresearch.surrogate.lightning import Checkpoints, ShardDataModule, SurrogateModule, TrackerLogger
 from kvresearch.surrogate.metrics import fit_metrics
 from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
@@ -123,7 +123,8 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
     kind, fit = str(recipe["kind"]), str(recipe["fit"])
     width = recipe.get("mlp_hidden")  # the MLP's hidden width (None: hidden / 8, the reference)
     config = SurrogateConfig(kind, layout["layers"], layout["hidden"], layout["kv_heads"],
-                             mlp_hidden=None if width is None else int(width), model=data.model)  # fmt: skip
+                             mlp_hidden=None if width is None else int(width), model=data.model,
+                             mlp_layers=int(recipe.get("mlp_layers") or 1))  # fmt: skip
     torch.manual_seed(seed)
     surrogate = Surrogate(config)
     documents = data.split_documents(float(recipe["val_fraction"]), seed)
@@ -139,7 +140,11 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
         raise KVResearchError(f"surrogate.fit must be 'sgd' or 'ridge', got {fit!r}")
     train_s = time.perf_counter() - start
     surrogate.eval().save(out_dir / "export")
-    to_kvpress(surrogate, out_dir / "kvpress")
+    if kvpress_loads(surrogate):
+        to_kvpress(surrogate, out_dir / "kvpress")
+    else:
+        layers = config.mlp_layers
+        print(f"[train_surrogate] no kvpress export: kvpress's KVzapModel has one hidden layer, this MLP {layers}")
     scores = fit_metrics(*predict(surrogate, data, data.rows_of(documents["test"])))
     title = f"{kind} surrogate, {data.model}: mean R^2 {scores['r2_mean']:.3f}"
     plot_r2(scores["r2_per_layer"], title, out_dir / "r2_per_layer.png")
