@@ -136,16 +136,16 @@ class Split:
 
 def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.Tensor:
     """(rows, columns) that input ``name`` adds to h at one layer (none for ``h``)."""
-    h = split.h[:, layer].float()
+    h = split.h[:, layer]  # the extract's dtype; converted only where an input computes from it
     if name == "h":
-        return h[:, :0]
+        return h[:, :0].float()
     if name in ("value_norms", "factored"):
         with torch.no_grad():
-            _, _, v = adapter.project(layer, h[None])  # v: (1, Hkv, rows, d)
+            _, _, v = adapter.project(layer, h.float()[None])  # v: (1, Hkv, rows, d)
             norms = value_output_norms(v[0], adapter.output_weight(layer).float())  # (Hkv, G, rows)
         return norms.flatten(0, 1).T.clamp_min(1e-12).log()
     if name == "neighbours":
-        return torch.cat([h[split.prev], h[split.next]], 1)
+        return torch.cat([h[split.prev], h[split.next]], 1).float()
     if name == "position":
         return split.log_pos
     if name == "counts":
@@ -275,7 +275,7 @@ def main() -> None:
     docs = [d for d in run.manifest["documents"] if d["status"] == "done"]
     if args.left_out not in {d["source"] for d in docs}:
         raise SystemExit(f"no source {args.left_out!r} in {folder}; sources: {sorted({d['source'] for d in docs})}")
-    counts = document_counts(folder, run, loaded.tokenizer) if any("counts" in w for w in inputs) else None
+    counts = document_counts(folder, run, loaded.tokenizer) if any("counts" in w.split("+") for w in inputs) else None
     train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out}, counts)
     test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out}, counts)
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))

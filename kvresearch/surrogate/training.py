@@ -143,8 +143,7 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
     if kvpress_loads(surrogate):
         to_kvpress(surrogate, out_dir / "kvpress")
     else:
-        layers = config.mlp_layers
-        print(f"[train_surrogate] no kvpress export: kvpress's KVzapModel has one hidden layer, this MLP {layers}")
+        print(f"[train_surrogate] no kvpress export: kvpress holds one hidden layer, this MLP {config.mlp_layers}")
     scores = fit_metrics(*predict(surrogate, data, data.rows_of(documents["test"])))
     title = f"{kind} surrogate, {data.model}: mean R^2 {scores['r2_mean']:.3f}"
     plot_r2(scores["r2_per_layer"], title, out_dir / "r2_per_layer.png")
