@@ -56,9 +56,17 @@ needle: $(STAMP) ## full-cache needle retrieval on the embedded model (outputs/n
 extract: $(STAMP) ## KVzip+ oracle scores -> training shards (outputs/extract/default/, ~13 min on 2 cores)
 	$(PY) -m kvresearch.stages.extract $(ARGS)
 
-train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + MLP surrogates on it, the fit table
+# The surrogate study's choice (docs/surrogates.md): the context-aware MLP on every position of 249 documents
+# (the study's extract, run id 3ab4656e; paths.surrogate_mlp_context names the run it gives). CONTEXT=0 skips it.
+CONTEXT ?= 1
+CONTEXT_EXTRACT := corpus.n_train_per_source=75
+
+train-surrogate: $(STAMP) ## the default extract (skipped when done), linear + MLP surrogates on it; the context-aware MLP on the study's extract (CONTEXT=0: not); the fit table
 	$(PY) -m kvresearch.stages.extract
 	$(PY) -m kvresearch.stages.train_surrogate -m surrogate=linear,mlp $(ARGS)
+	if [ "$(CONTEXT)" != 0 ]; then \
+	  $(PY) -m kvresearch.stages.extract $(CONTEXT_EXTRACT) && \
+	  $(PY) -m kvresearch.stages.train_surrogate surrogate=mlp_context paths.extract=3ab4656e $(ARGS); fi
 	$(PY) scripts/surrogate_table.py --per-layer
 
 surrogate-study: $(STAMP) ## leave-one-source-out R^2, learning curve, mix and width on the study's extract (docs/surrogates.md, ~45 min + its extract)
@@ -204,7 +212,7 @@ budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json
 	$(PY) -m kvresearch.stages.budgets $(ARGS)
 
 reproduce: $(STAMP) ## the main job on the embedded model: extract, surrogates, the RULER experiment's twin, its tables
-	$(MAKE) --no-print-directory train-surrogate
+	$(MAKE) --no-print-directory train-surrogate CONTEXT=0
 	$(MAKE) --no-print-directory experiment-kvzap_ruler table-kvzap_ruler table-kvzap_surrogate_r2
 
 clean: ## remove caches (keeps outputs/ and the venv)

@@ -1,7 +1,7 @@
 """What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
 
     .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
-        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position,counts] [--alphas 1,100,...]
+        [--layers 0,1,...] [--inputs h,value_norms,neighbours,position,counts,rates,length] [--alphas 1,100,...]
         [--fit ridge|mlp] [--mlp-layers 1] [--out outputs/surrogate_probe.json]
 
 Each input set is a closed-form ridge per layer (float64, ``kvresearch.ops.ridge``, as ``surrogate=linear``;
@@ -21,6 +21,9 @@ study's measure), mean over the chosen layers:
   attention over), how often the bigram (previous, this) does, the earlier occurrences of the token and of the
   bigram, and the document's length. The token ids come from rebuilding the extract's corpus
   (its ``config.yaml``), checked document by document against its manifest;
+* ``rates``: h_i and the first five counts in the length-free form that ``surrogate.context=[counts]`` reads
+  (``kvresearch.surrogate.context.count_rates``: log(1 + count per 1,000 tokens of the document));
+* ``length``: h_i and log(1 + n), n the document's length (``surrogate.context=[length]``);
 * ``a+b``: h_i and what both add (``value_norms+position``);
 * ``factored`` (``--fit mlp`` only): the MLP reads h_i alone and predicts one term per query head g; the exact
   log ||v_i W_O^g|| is added to it and the group's max taken as a logsumexp, the KVzip+ score's own form.
@@ -48,65 +51,36 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from sklearn.metrics import r2_score
 from surrogate_study import study_extract  # scripts/
 
-from kvresearch.data.corpus import load_corpus
-from kvresearch.extraction import cap_documents
+from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.ops.scores import value_output_norms
 from kvresearch.runs import outputs_root, repo_root, resolve_run, write_json
+from kvresearch.surrogate.context import count_rates, raw_counts
 from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.lightning import SurrogateModule
 from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
 
-INPUTS = ("h", "value_norms", "neighbours", "position", "counts", "factored")
+INPUTS = ("h", "value_norms", "neighbours", "position", "counts", "rates", "length", "factored")
 COUNTS = ("token", "previous token", "bigram", "token before", "bigram before", "document length")
 
 
 def token_counts(ids: np.ndarray) -> np.ndarray:
     """(n, 6) float32: log(1 + count) of each :data:`COUNTS` entry at every position of one document's ids (n,).
 
-    The previous token and the bigram of position 0 do not exist: their counts are 0.
+    The first five are ``kvresearch.surrogate.context.raw_counts``; the previous token and the bigram of
+    position 0 do not exist: their counts are 0.
     """
-    ids = np.asarray(ids, dtype=np.int64)
-    n = len(ids)
-    out = np.zeros((n, len(COUNTS)), np.float64)
-    if n == 0:
-        return out.astype(np.float32)
-    bigram = ids[:-1] * (int(ids.max()) + 1) + ids[1:]  # bigram[p - 1] ends at position p
-    token_total, token_before = _occurrences(ids)
-    out[:, 0], out[:, 3], out[:, 5] = token_total, token_before, n
-    out[1:, 1] = token_total[:-1]
-    out[1:, 2], out[1:, 4] = _occurrences(bigram)
-    return np.log1p(out).astype(np.float32)
+    raw = raw_counts(ids)
+    return np.log1p(np.c_[raw, np.full(len(raw), len(raw))]).astype(np.float32)
 
 
-def _occurrences(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per element of ``keys`` (n,): how often its value occurs in all of ``keys``, and before it."""
-    _, inverse, totals = np.unique(keys, return_inverse=True, return_counts=True)
-    order = np.argsort(inverse, kind="stable")  # equal keys together, in their original order
-    first = np.r_[0, np.cumsum(totals)[:-1]]  # where each key's run starts in ``order``
-    before = np.empty(len(keys), np.int64)
-    before[order] = np.arange(len(keys)) - first[inverse[order]]
-    return totals[inverse], before
-
-
-def document_counts(folder: Path, run: ExtractRun, tokenizer: Any) -> dict[int, np.ndarray]:
-    """Document index -> :func:`token_counts` of its ids, the documents rebuilt from the run's own config."""
-    cfg = OmegaConf.load(folder / "config.yaml")
-    docs = cap_documents(load_corpus(cfg.corpus, tokenizer, cfg.seed)[0], cfg.extract.max_docs)
-    out = {}
-    for entry in run.manifest["documents"]:
-        i = entry["index"]
-        doc = docs[i] if i < len(docs) else None
-        if doc is None or doc.doc_id != entry["doc_id"]:
-            raise SystemExit(
-                f"'counts': the corpus that {folder / 'config.yaml'} builds today does not hold the manifest's "
-                f"document {i} ({entry['doc_id']}; rebuilt: {doc.doc_id if doc else 'none'}): the packaged corpus "
-                "changed since this run. Probe a fresh extract of it, or leave 'counts' out."
-            )
-        if entry["status"] == "done":
-            out[i] = token_counts(np.asarray(tokenizer(doc.text, add_special_tokens=False).input_ids))
-    return out
+def document_ids(run: ExtractRun, tokenizer: Any) -> dict[int, np.ndarray]:
+    """Document index -> token ids, the documents rebuilt from the run's own config (refused if it changed)."""
+    try:
+        return run.document_ids(tokenizer)
+    except KVResearchError as error:
+        raise SystemExit(f"'counts', 'rates': {error} Or leave those inputs out.") from error
 
 
 class Split:
@@ -114,10 +88,10 @@ class Split:
 
     The hidden states stay in the extract's own dtype (bfloat16 by default: half the memory, converted exactly).
 
-    ``counts`` (document index -> (n_tokens, 6)): the rows' in-document counts, for the ``counts`` input.
+    ``ids`` (document index -> its token ids): for the ``counts`` and ``rates`` inputs.
     """
 
-    def __init__(self, run: ExtractRun, documents: set[int], counts: dict[int, np.ndarray] | None = None):
+    def __init__(self, run: ExtractRun, documents: set[int], ids: dict[int, np.ndarray] | None = None):
         rows = run.rows_of(documents)
         self.h, self.y = run.fetch(rows, run.stored_dtype)
         pos = np.concatenate([np.asarray(s.pos) for s in run.shards])[rows]
@@ -129,9 +103,16 @@ class Split:
         own_t = torch.arange(len(rows))
         self.both_neighbours = float(((self.prev != own_t) & (self.next != own_t)).float().mean())
         self.counts: torch.Tensor | None = None
+        self.rates: torch.Tensor | None = None
         self.log_pos = torch.log1p(torch.from_numpy(pos.astype(np.float32)))[:, None]
-        if counts is not None:
-            self.counts = torch.from_numpy(np.stack([counts[d][p] for d, p in zip(doc, pos, strict=True)]))
+        n_tokens = {d["index"]: d["n_tokens"] for d in run.manifest["documents"]}
+        self.log_len = torch.log1p(torch.tensor([float(n_tokens[int(d)]) for d in doc]))[:, None]
+        if ids is not None:
+            docs = sorted({int(d) for d in doc})
+            counts = {d: torch.from_numpy(token_counts(ids[d])) for d in docs}
+            rates = {d: count_rates(ids[d]) for d in docs}
+            self.counts = torch.stack([counts[int(d)][p] for d, p in zip(doc, pos, strict=True)])
+            self.rates = torch.stack([rates[int(d)][p] for d, p in zip(doc, pos, strict=True)])
 
 
 def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.Tensor:
@@ -148,9 +129,12 @@ def extra(split: Split, layer: int, name: str, adapter: ModelAdapter) -> torch.T
         return torch.cat([h[split.prev], h[split.next]], 1).float()
     if name == "position":
         return split.log_pos
-    if name == "counts":
-        assert split.counts is not None, "built without counts"
-        return split.counts
+    if name == "length":
+        return split.log_len
+    if name in ("counts", "rates"):
+        column = split.counts if name == "counts" else split.rates
+        assert column is not None, "built without token ids"
+        return column
     raise SystemExit(f"unknown input {name!r}; choose from {', '.join(INPUTS)} (join with + to combine)")
 
 
@@ -275,9 +259,10 @@ def main() -> None:
     docs = [d for d in run.manifest["documents"] if d["status"] == "done"]
     if args.left_out not in {d["source"] for d in docs}:
         raise SystemExit(f"no source {args.left_out!r} in {folder}; sources: {sorted({d['source'] for d in docs})}")
-    counts = document_counts(folder, run, loaded.tokenizer) if any("counts" in w.split("+") for w in inputs) else None
-    train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out}, counts)
-    test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out}, counts)
+    wants_ids = any({"counts", "rates"} & set(w.split("+")) for w in inputs)
+    ids = document_ids(run, loaded.tokenizer) if wants_ids else None
+    train = Split(run, {d["index"] for d in docs if d["source"] != args.left_out}, ids)
+    test = Split(run, {d["index"] for d in docs if d["source"] == args.left_out}, ids)
     layers = [int(i) for i in args.layers.split(",")] if args.layers else list(range(adapter.num_layers))
     label = {(w, a): w if len(alphas) == 1 else f"{w}@alpha={a:g}" for w in inputs for a in alphas}
     per_layer: dict[str, list[float]] = {name: [] for name in label.values()} if args.fit == "ridge" else {}

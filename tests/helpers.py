@@ -85,10 +85,13 @@ def tiny_family(family: str, attn: str = "sdpa") -> torch.nn.Module:
 
 
 def surrogate_run(folder: Path, layers: int, hidden: int, kv_heads: int, kind: str = "mlp", model: str = "tiny_random",
-                  seed: int = 0) -> Surrogate:  # fmt: skip
-    """A finished train_surrogate run folder holding a seeded random surrogate (export, metrics, DONE)."""
+                  seed: int = 0, **shape: Any) -> Surrogate:  # fmt: skip
+    """A finished train_surrogate run folder holding a seeded random surrogate (export, metrics, DONE).
+
+    ``shape``: further :class:`SurrogateConfig` fields (``mlp_layers``, ``context``, ``q_heads``).
+    """
     torch.manual_seed(seed)
-    surrogate = Surrogate(SurrogateConfig(kind, layers, hidden, kv_heads, model=model)).eval()
+    surrogate = Surrogate(SurrogateConfig(kind, layers, hidden, kv_heads, model=model, **shape)).eval()
     surrogate.save(folder / "export")
     (folder / "metrics.json").write_text(json.dumps({"kind": kind, "model": model, "fit": "planted"}))
     (folder / "DONE").write_text("planted\n")

@@ -48,9 +48,15 @@ def test_every_option_of_every_group_composes_and_resolves_with_the_stage(stage:
 def runs(tiny, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("runs")
     adapter = ModelAdapter(tiny.model)
+    shape = (adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
     for kind in ("mlp", "linear"):
-        surrogate_run(root / kind, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, kind)
-    return {"surrogate_mlp": str(root / "mlp"), "surrogate_linear": str(root / "linear")}
+        surrogate_run(root / kind, *shape, kind)
+    context = {"context": ("value_norms", "position", "counts"), "q_heads": adapter.num_heads, "mlp_layers": 2}
+    surrogate_run(root / "mlp_context", *shape, **context)
+    return {
+        name: str(root / name.removeprefix("surrogate_"))
+        for name in ("surrogate_mlp", "surrogate_linear", "surrogate_mlp_context")
+    }
 
 
 @pytest.mark.parametrize("name", METHODS)

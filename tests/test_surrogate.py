@@ -189,7 +189,7 @@ def test_a_deeper_mlp_is_the_stacked_per_layer_network_and_kvpress_refuses_it(tm
     deep.save(tmp_path / "deep")
     again = Surrogate.load(tmp_path / "deep")
     assert again.config.mlp_layers == 3 and torch.equal(again(h), deep(h))
-    with pytest.raises(KVResearchError, match=r"one hidden layer; this MLP has 3 \(surrogate.mlp_layers\)"):
+    with pytest.raises(KVResearchError, match=r"one hidden layer; this surrogate has 3 \(surrogate.mlp_layers\)"):
         to_kvpress(deep, tmp_path / "kvpress")
     teacher("mlp").save(tmp_path / "old")  # a surrogate.json written before mlp_layers existed loads as 1
     cfg = json.loads((tmp_path / "old" / "surrogate.json").read_text())

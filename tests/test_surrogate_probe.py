@@ -139,13 +139,14 @@ def test_counts_come_from_the_extracts_own_documents_and_a_changed_corpus_is_ref
                  "corpus.n_test_per_source=0", "extract.samples_per_doc=30"]  # fmt: skip
     execute(compose_stage("extract", tmp_path / "extract", overrides), extract_stage)
     run = ExtractRun(tmp_path / "extract")
-    counts = probe_script.document_counts(tmp_path / "extract", run, tiny.tokenizer)
+    ids = probe_script.document_ids(run, tiny.tokenizer)
+    counts = {d: probe_script.token_counts(i) for d, i in ids.items()}
     docs = run.manifest["documents"]
     assert sorted(counts) == [d["index"] for d in docs] and len(docs) == 6
     for d in docs:  # one row per token of the document, its length in the last column
         assert counts[d["index"]].shape == (d["n_tokens"], 6)
         np.testing.assert_allclose(counts[d["index"]][:, 5], np.log1p(d["n_tokens"]), rtol=1e-6)
-    split = probe_script.Split(run, {d["index"] for d in docs}, counts)
+    split = probe_script.Split(run, {d["index"] for d in docs}, ids)
     assert split.h.dtype == run.stored_dtype == torch.bfloat16  # as stored: half of float32's memory, exact
     torch.testing.assert_close(split.h.float(), run.fetch(run.rows_of({d["index"] for d in docs}))[0], rtol=0, atol=0)
     pos = np.concatenate([np.asarray(s.pos) for s in run.shards])
@@ -153,11 +154,11 @@ def test_counts_come_from_the_extracts_own_documents_and_a_changed_corpus_is_ref
     np.testing.assert_array_equal(split.counts[row].numpy(), counts[int(run.doc[row])][int(pos[row])])
 
     # the probe runs on the real extract above (its teacher builds synthetic ones only)
-    result = probe(tmp_path, lambda h: h, ModelAdapter(tiny.model), "--inputs", "h,counts")
-    assert set(result["mean"]) == {"h", "counts"}
+    result = probe(tmp_path, lambda h: h, ModelAdapter(tiny.model), "--inputs", "h,counts,rates")
+    assert set(result["mean"]) == {"h", "counts", "rates"}
 
     manifest = json.loads((tmp_path / "extract" / "manifest.json").read_text())
     manifest["documents"][2]["doc_id"] = "essays/train/999"
     (tmp_path / "extract" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SystemExit, match=r"does not hold the manifest's document 2 \(essays/train/999"):
-        probe_script.document_counts(tmp_path / "extract", ExtractRun(tmp_path / "extract"), tiny.tokenizer)
+        probe_script.document_ids(ExtractRun(tmp_path / "extract"), tiny.tokenizer)

@@ -12,6 +12,12 @@ change, so the survivors are at every step the top-scored of the tokens that hav
 
 ``keep_ratio`` instead of ``threshold``: score every context token from a dense prefill and keep the top
 share per head, layer or globally (``scope``), the window protected, for comparisons at a matched ratio.
+
+A surrogate with ``context`` inputs (``surrogate=mlp_context``) also reads the token's value-output norms,
+position, in-context count rates and the context's length (``kvresearch.surrogate.context``): the pruner
+records the token ids of every forward pass, and the counts and length of a token are those of the context
+seen up to the end of the call that brought it (all of it in a one-call prefill, as in training; a chunked
+prefill or decoding sees less).
 """
 
 from __future__ import annotations
@@ -29,12 +35,46 @@ from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method, cache_from_scores
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.cache import RaggedCache, RaggedLayer
-from kvresearch.models.hooks import after_attention, attention_inputs
+from kvresearch.models.hooks import after_attention, attention_inputs, model_calls
 from kvresearch.models.session import Prefill, Session
 from kvresearch.ops.calibration import Calibration, calibrate_threshold
 from kvresearch.ops.selection import SCOPES
 from kvresearch.prompts import Prompt
+from kvresearch.surrogate.context import context_features, count_rates
 from kvresearch.surrogate.modules import Surrogate
+
+
+def surrogate_input(
+    surrogate: Surrogate,
+    adapter: ModelAdapter,
+    layer: int,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    rates: torch.Tensor | None,
+    length: int,
+) -> torch.Tensor:
+    """What the surrogate reads for T tokens at ``layer``: h (T, hidden) and its context columns, if any.
+
+    positions (T,): the tokens' offsets in the context; rates (T, 5): their count rates (``counts`` only);
+    length: the context's length so far.
+    """
+    names = surrogate.config.context
+    if not names:
+        return h
+    return torch.cat([h.float(), context_features(names, adapter, layer, h, positions, rates, length)], -1)
+
+
+@contextmanager
+def record_ids(adapter: ModelAdapter, cache: RaggedCache, rates: dict[str, torch.Tensor | None]) -> Iterator[None]:
+    """Record every forward pass's ids on ``cache``; ``rates["call"]``: the count rates of the call's tokens."""
+    seen: list[torch.Tensor] = cache.method_state.setdefault("kvzap_ids", [])
+
+    def before(ids: torch.Tensor) -> None:
+        seen.append(ids[0].detach().cpu())
+        rates["call"] = count_rates(torch.cat(seen).numpy())[-ids.shape[1] :]
+
+    with model_calls(adapter.model, before, lambda _ids: None):
+        yield
 
 
 @dataclass
@@ -65,14 +105,17 @@ class ThresholdPruner:
         # With a budget: per layer and head, the positions and scores of the kept entries outside the window.
         kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = cache.method_state.setdefault("kvzap_kept", {})
         surrogate = self.surrogate.eval()
+        rates: dict[str, torch.Tensor | None] = {"call": None}  # of the call's tokens, with ``counts``
 
         def on_layer(index: int) -> None:
             layer = cache.ragged[index]
+            positions = layer.new_positions
             start = time.perf_counter()
             with torch.no_grad():
-                scores = surrogate.forward_layer(index, inputs.pop(index)[0]).T.float()  # (Hkv, T)
+                hidden = inputs.pop(index)[0]
+                x = surrogate_input(surrogate, adapter, index, hidden, positions, rates["call"], layer.seen)
+                scores = surrogate.forward_layer(index, x).T.float()  # (Hkv, T)
             timer.seconds += time.perf_counter() - start
-            positions = layer.new_positions
             if index in pending_pos:
                 positions = torch.cat([pending_pos[index], positions])
                 scores = torch.cat([pending_scores[index], scores.to(pending_scores[index].device)], dim=1)
@@ -91,8 +134,9 @@ class ThresholdPruner:
             if layer.new_positions.numel() > 1 or int(layer.dead.max()) >= self.compact_every:
                 layer.compact()
 
+        ids = record_ids(adapter, cache, rates) if "counts" in surrogate.config.context else nullcontext()
         try:
-            with attention_inputs(adapter, inputs), after_attention(adapter, on_layer):
+            with ids, attention_inputs(adapter, inputs), after_attention(adapter, on_layer):
                 yield timer
         finally:
             cache.compact()
@@ -158,10 +202,14 @@ class KVzap(Method):
         """A dense prefill of the context and the surrogate's scores per layer, each (Hkv, T)."""
         prefill = session.dense_prefill(context_ids, record_inputs=True)
         start = time.perf_counter()
+        positions = torch.arange(context_ids.shape[1], device=session.device)
+        rates = count_rates(context_ids[0].cpu().numpy()) if "counts" in self.surrogate.config.context else None
         with torch.no_grad():
-            scores = [
-                self.surrogate.forward_layer(i, prefill.inputs[i][0]).T.float() for i in range(prefill.num_layers)
-            ]
+            scores = []
+            for i in range(prefill.num_layers):
+                h = prefill.inputs[i][0]
+                x = surrogate_input(self.surrogate, session.adapter, i, h, positions, rates, len(positions))
+                scores.append(self.surrogate.forward_layer(i, x).T.float())
         self._scoring_s = time.perf_counter() - start
         return prefill, scores
 
@@ -191,7 +239,8 @@ class KVzap(Method):
 
     def _check_fits(self, session: Session) -> None:
         config, adapter = self.surrogate.config, session.adapter
-        if config.layers != adapter.num_layers or config.hidden != adapter.hidden_size:
+        heads = adapter.num_heads if "value_norms" in config.context else config.q_heads
+        if config.layers != adapter.num_layers or config.hidden != adapter.hidden_size or config.q_heads != heads:
             raise KVResearchError(
                 f"The surrogate ({config.layers} layers, hidden {config.hidden}) does not fit this model "
                 f"({adapter.num_layers} layers, hidden {adapter.hidden_size}): train one for this model with "

@@ -3,6 +3,10 @@
 Splits: the corpus's test documents are the held-out set (never seen in training); the corpus's train
 documents are divided by document into train and validation (``val_fraction``, seeded). Opening a run
 verifies every shard's checksums and rejects non-finite rows, naming the file.
+
+A surrogate with ``context`` inputs reads h and its context columns: :meth:`ExtractRun.add_context` computes
+them once for every row (from the model and the documents rebuilt from the run's own config), and
+:meth:`ExtractRun.fetch` returns them after h from then on.
 """
 
 from __future__ import annotations
@@ -15,11 +19,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from kvresearch.data.corpus import load_corpus
 from kvresearch.data.shards import HIDDEN_DTYPES, Shard, hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
+from kvresearch.extraction import cap_documents
+from kvresearch.models.adapter import ModelAdapter
+from kvresearch.progress import Progress
 from kvresearch.runs import read_json
+from kvresearch.surrogate.context import canonical, context_features, context_width, count_rates
 
 
 class ExtractRun:
@@ -51,6 +61,7 @@ class ExtractRun:
                 )
         self.offsets = np.cumsum([0] + [len(s.doc) for s in self.shards])
         self.doc = np.concatenate([np.asarray(s.doc) for s in self.shards]) if self.shards else np.zeros(0, np.int32)
+        self.context: torch.Tensor | None = None  # (rows, layers, columns) after add_context
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -74,6 +85,51 @@ class ExtractRun:
             "test": {d["index"] for d in done if d["split"] == "test"},
         }
 
+    def document_ids(self, tokenizer: Any) -> dict[int, np.ndarray]:
+        """Document index -> token ids (n,) of every finished document, rebuilt from the run's own config.
+
+        Each rebuilt document is checked against the manifest's id: a packaged corpus that changed since the
+        run is refused rather than paired with the wrong rows.
+        """
+        cfg = OmegaConf.load(self.folder / "config.yaml")
+        docs = cap_documents(load_corpus(cfg.corpus, tokenizer, cfg.seed)[0], cfg.extract.max_docs)
+        out = {}
+        for entry in self.manifest["documents"]:
+            i = entry["index"]
+            doc = docs[i] if i < len(docs) else None
+            if doc is None or doc.doc_id != entry["doc_id"]:
+                raise KVResearchError(
+                    f"The corpus that {self.folder / 'config.yaml'} builds today does not hold the manifest's document "
+                    f"{i} ({entry['doc_id']}; rebuilt: {doc.doc_id if doc else 'none'}): the packaged corpus changed "
+                    "since this extract. Context inputs need a fresh extract (`make extract ARGS='force=true'`)."
+                )
+            if entry["status"] == "done":
+                out[i] = np.asarray(tokenizer(doc.text, add_special_tokens=False).input_ids, np.int64)
+        return out
+
+    def add_context(self, names: list[str] | tuple[str, ...], adapter: ModelAdapter, tokenizer: Any) -> None:
+        """Compute the context columns of every row once (float32); :meth:`fetch` appends them to h after this.
+
+        Each document is one context, as a one-call prefill of it would be at inference: its rows' positions,
+        count rates over the whole document, and its length.
+        """
+        names, self.context = canonical(names), None
+        ids = self.document_ids(tokenizer) if "counts" in names else {}
+        pos = torch.from_numpy(np.concatenate([np.asarray(s.pos) for s in self.shards]).astype(np.int64))
+        context = torch.zeros(len(self.doc), self.layout["layers"], context_width(names, adapter.num_heads))
+        done = [d for d in self.manifest["documents"] if d["status"] == "done"]
+        bar = Progress(len(done), "context inputs", unit="doc")
+        for entry in done:
+            rows = torch.from_numpy(self.rows_of({entry["index"]}))
+            h, _ = self.fetch(rows.numpy())
+            where = pos[rows]
+            rates = count_rates(ids[entry["index"]])[where] if ids else None
+            for i in range(h.shape[1]):
+                context[rows, i] = context_features(names, adapter, i, h[:, i], where, rates, int(entry["n_tokens"]))
+            bar.update()
+        bar.close()
+        self.context = context
+
     def rows_of(self, documents: set[int]) -> np.ndarray:
         """Global row indices of the given documents, ascending."""
         return np.flatnonzero(np.isin(self.doc, np.fromiter(documents, dtype=np.int64)))
@@ -81,7 +137,8 @@ class ExtractRun:
     def fetch(self, rows: np.ndarray, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """H (n, layers, hidden) in ``dtype`` and y (n, layers, kv_heads) float32 for global ``rows`` (any order).
 
-        ``stored_dtype``: H exactly as stored, at half the memory of float32 for a bfloat16 extract.
+        ``stored_dtype``: H exactly as stored, at half the memory of float32 for a bfloat16 extract. After
+        :meth:`add_context`, H is (n, layers, hidden + context columns).
         """
         rows = np.sort(np.asarray(rows))
         which = np.searchsorted(self.offsets, rows, side="right") - 1
@@ -91,7 +148,10 @@ class ExtractRun:
             shard = self.shards[s]
             hs.append(hidden_from_numpy(shard.hidden[local], self.layout["hidden_dtype"]).to(dtype))
             ys.append(torch.from_numpy(np.ascontiguousarray(shard.scores[local])))
-        return torch.cat(hs), torch.cat(ys)
+        h = torch.cat(hs)
+        if self.context is not None:
+            h = torch.cat([h, self.context[torch.from_numpy(rows)].to(dtype)], -1)
+        return h, torch.cat(ys)
 
 
 class Rows(Dataset):

@@ -12,8 +12,9 @@ from kvresearch.surrogate.modules import Surrogate
 
 
 def kvpress_loads(surrogate: Surrogate) -> bool:
-    """Whether kvpress's ``KVzapModel`` has ``surrogate``'s shape (a linear map or one hidden layer)."""
-    return surrogate.config.kind == "linear" or surrogate.config.mlp_layers == 1
+    """Whether kvpress's ``KVzapModel`` has ``surrogate``'s shape (h alone, a linear map or one hidden layer)."""
+    config = surrogate.config
+    return not config.context and (config.kind == "linear" or config.mlp_layers == 1)
 
 
 def kvpress_model(surrogate: Surrogate) -> Any:
@@ -23,8 +24,9 @@ def kvpress_model(surrogate: Surrogate) -> Any:
     cfg = surrogate.config
     if not kvpress_loads(surrogate):
         raise KVResearchError(
-            f"kvpress's KVzapModel has one hidden layer; this MLP has {cfg.mlp_layers} (surrogate.mlp_layers). "
-            "Use it through kvresearch's KVzap methods, or train one with surrogate.mlp_layers=1 for kvpress."
+            f"kvpress's KVzapModel reads h alone through at most one hidden layer; this surrogate has "
+            f"{cfg.mlp_layers} (surrogate.mlp_layers) and reads {list(cfg.context) or 'h alone'} (surrogate.context). "
+            "Use it through kvresearch's KVzap methods, or train one with mlp_layers=1 and context=[] for kvpress."
         )
     model = KVzapModel(
         KVzapConfig(

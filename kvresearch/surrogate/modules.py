@@ -5,7 +5,9 @@ batched matmul instead of a Python loop of small ones:
 
 * linear: ``h W_l + b_l`` with W_l of shape (hidden, kv_heads);
 * mlp: ``GELU(h W1_l + b1_l) W2_l + b2_l`` with W1_l (hidden, hidden/8) and W2_l (hidden/8, kv_heads);
-  ``mlp_layers`` > 1 stacks that many GELU layers of the same width before the output map.
+  ``mlp_layers`` > 1 stacks that many GELU layers of the same width before the output map;
+* ``context`` widens the input: h and the columns of ``kvresearch.surrogate.context`` (value-output norms,
+  position, in-context count rates, context length), which the caller appends (training data, the KVzap pruner).
 
 Plain ``nn.Module``: usable without Lightning. Saved as safetensors plus a JSON config.
 """
@@ -25,6 +27,7 @@ from torch import nn
 
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import read_json, resolve_run
+from kvresearch.surrogate.context import canonical, context_width
 
 CONFIG_NAME = "surrogate.json"
 WEIGHTS_NAME = "surrogate.safetensors"
@@ -41,12 +44,22 @@ class SurrogateConfig:
     mlp_hidden: int | None = None  # D/8 for the MLP by default
     model: str | None = None  # the model the surrogate was trained for
     mlp_layers: int = 1  # hidden layers of the MLP (1: the reference's shape, the only one kvpress loads)
+    context: tuple[str, ...] = ()  # inputs appended to h (kvresearch.surrogate.context); () reads h alone
+    q_heads: int = 0  # the model's query heads (the width of the ``value_norms`` input)
 
     def __post_init__(self) -> None:
         if self.kind not in ("linear", "mlp"):
             raise KVResearchError(f"surrogate kind must be 'linear' or 'mlp', got {self.kind!r}")
         if self.mlp_layers < 1:
             raise KVResearchError(f"surrogate.mlp_layers must be at least 1, got {self.mlp_layers}")
+        object.__setattr__(self, "context", canonical(self.context))  # a list from JSON or Hydra, in one order
+        if "value_norms" in self.context and self.q_heads < 1:
+            raise KVResearchError("surrogate.context has 'value_norms': the config needs the model's q_heads.")
+
+    @property
+    def inputs(self) -> int:
+        """Input width: h and the context columns."""
+        return self.hidden + context_width(self.context, self.q_heads)
 
 
 class Surrogate(nn.Module):
@@ -58,7 +71,7 @@ class Surrogate(nn.Module):
             config = SurrogateConfig(**{**asdict(config), "mlp_hidden": config.hidden // 8})
         self.config = config
         self.source: str | None = None  # the train_surrogate run it came from, when loaded from one
-        L, D, H = config.layers, config.hidden, config.kv_heads
+        L, D, H = config.layers, config.inputs, config.kv_heads
         widths = [D, H] if config.kind == "linear" else [D, *[int(config.mlp_hidden or 0)] * config.mlp_layers, H]
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList()
@@ -68,7 +81,7 @@ class Surrogate(nn.Module):
             self.biases.append(nn.Parameter(torch.empty(L, fan_out).uniform_(-bound, bound)))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (rows, layers, hidden) -> (rows, layers, kv_heads)."""
+        """h: (rows, layers, inputs) -> (rows, layers, kv_heads); inputs = hidden + the context columns."""
         x = h.to(self.weights[0].dtype).transpose(0, 1)  # (L, rows, D)
         for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             x = torch.baddbmm(b[:, None, :], x, w)  # (L, rows, out)
@@ -77,7 +90,7 @@ class Surrogate(nn.Module):
         return x.transpose(0, 1)
 
     def forward_layer(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """One layer's scores: h (..., hidden) -> (..., kv_heads), for use inside a forward pass."""
+        """One layer's scores: h (..., inputs) -> (..., kv_heads), for use inside a forward pass."""
         x = h.to(self.weights[0].dtype)
         for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             x = torch.addmm(b[layer], x.reshape(-1, x.shape[-1]), w[layer]).view(*x.shape[:-1], -1)
@@ -87,7 +100,8 @@ class Surrogate(nn.Module):
 
     def describe(self) -> dict[str, object]:
         """What a run records about the surrogate it used."""
-        return {"kind": self.config.kind, "model": self.config.model, "run": self.source}
+        out: dict[str, object] = {"kind": self.config.kind, "model": self.config.model, "run": self.source}
+        return out | ({"context": list(self.config.context)} if self.config.context else {})
 
     def flops_per_token(self) -> int:
         """Multiply-adds x 2 per token per layer."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +19,10 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from kvresearch.errors import KVResearchError
+from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.surrogate.data import ExtractRun, predict
 from kvresearch.surrogate.export import kvpress_loads, to_kvpress
@@ -34,7 +36,7 @@ def fit_ridge(surrogate: Surrogate, run: ExtractRun, rows: np.ndarray, alpha: fl
     """Set the linear surrogate's weights to the ridge solution on ``rows``."""
     if surrogate.config.kind != "linear":
         raise KVResearchError("surrogate.fit=ridge fits the linear surrogate only; use surrogate.fit=sgd for mlp.")
-    acc = RidgeAccumulator(surrogate.config.layers, surrogate.config.hidden, surrogate.config.kv_heads)
+    acc = RidgeAccumulator(surrogate.config.layers, surrogate.config.inputs, surrogate.config.kv_heads)
     for start in range(0, len(rows), batch):
         acc.update(*run.fetch(rows[start : start + batch]))
     weights, bias = acc.solve(alpha)
@@ -117,6 +119,19 @@ def plot_r2(r2_per_layer: list[float], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def add_context(data: ExtractRun, context: Sequence[str]) -> int:
+    """Give ``data``'s rows the ``context`` columns, computed with the extract's own model; its query heads.
+
+    Nothing to do (0) for a surrogate of h alone.
+    """
+    if not context:
+        return 0
+    loaded = load_model(OmegaConf.load(data.folder / "config.yaml").model)
+    adapter = ModelAdapter(loaded.model)
+    data.add_context(tuple(context), adapter, loaded.tokenizer)
+    return adapter.num_heads
+
+
 def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Tracker) -> dict[str, Any]:
     """Fit a surrogate, export it (ours and kvpress's) and score it on the test documents; the run's metrics."""
     recipe, seed, layout = t.recipe, t.seed, data.layout
@@ -124,7 +139,8 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
     width = recipe.get("mlp_hidden")  # the MLP's hidden width (None: hidden / 8, the reference)
     config = SurrogateConfig(kind, layout["layers"], layout["hidden"], layout["kv_heads"],
                              mlp_hidden=None if width is None else int(width), model=data.model,
-                             mlp_layers=int(recipe.get("mlp_layers") or 1))  # fmt: skip
+                             mlp_layers=int(recipe.get("mlp_layers") or 1), context=tuple(recipe.get("context") or ()),
+                             q_heads=add_context(data, recipe.get("context") or ()))  # fmt: skip
     torch.manual_seed(seed)
     surrogate = Surrogate(config)
     documents = data.split_documents(float(recipe["val_fraction"]), seed)
@@ -143,7 +159,9 @@ def train_surrogate(data: ExtractRun, t: Training, out_dir: Path, tracker: Track
     if kvpress_loads(surrogate):
         to_kvpress(surrogate, out_dir / "kvpress")
     else:
-        print(f"[train_surrogate] no kvpress export: kvpress holds one hidden layer, this MLP {config.mlp_layers}")
+        print(
+            "[train_surrogate] no kvpress export: kvpress's KVzapModel reads h alone through at most one hidden layer"
+        )
     scores = fit_metrics(*predict(surrogate, data, data.rows_of(documents["test"])))
     title = f"{kind} surrogate, {data.model}: mean R^2 {scores['r2_mean']:.3f}"
     plot_r2(scores["r2_per_layer"], title, out_dir / "r2_per_layer.png")
