@@ -7,7 +7,7 @@ differs from the current one; :func:`inputs_changed` every run read (:func:`note
 changed; :func:`run_changes` reads a run folder for both, and :func:`check_run` refuses on any. Settings that
 do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether it is forced) are
 left out, and absolute paths under the outputs root or the checkout compare relative to them, so a moved
-checkout or outputs folder is not a change.
+checkout or outputs folder is not a change; nor is a hand-off (``paths.*``) added since the run was made.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def changes(
     found = []
     for key in sorted(old.keys() | new.keys()):
         before, now = old.get(key, ABSENT), new.get(key, ABSENT)
+        if before == ABSENT and key.startswith("paths."):
+            continue  # a hand-off added since: a run made before it existed cannot have read it
         if before != now:
             found.append(f"{key}: {before} -> {now}")
     return found

@@ -255,13 +255,17 @@ def test_config_changes_list_each_differing_setting_and_ignore_where_a_run_lives
     assert changes(stored, stored, roots, roots) == []
     assert changes(stored, same, roots, moved) == []  # moved outputs and checkout, forced, logged: the same run
     now = {**same, "surrogate": {"weight_decay": 1.0, "epochs": 15, "width": 72}, "benchmark": {"tasks": ["a"]},
-           "method": {"budgets": "/elsewhere/m.json"}}  # fmt: skip
+           "method": {"budgets": "/elsewhere/m.json"},
+           "paths": {**same["paths"], "surrogate_new": "train_surrogate/new"}}  # fmt: skip
     assert changes(stored, now, roots, moved) == [
         "benchmark.tasks: ['a', 'b'] -> ['a']",
         "method.budgets: <checkout>/conf/head_budgets/m.json -> /elsewhere/m.json",
         "surrogate.weight_decay: 0.01 -> 1.0",
-        "surrogate.width: <absent> -> 72",  # a setting added since is a change too
+        "surrogate.width: <absent> -> 72",  # a setting added since is a change too, but not a hand-off added since
     ]
+    moved_extract = {**now, "paths": {**now["paths"], "extract": "extract/other"}}  # a hand-off that changed is
+    assert "paths.extract: extract/default -> extract/other" in changes(stored, moved_extract, roots, moved)
+    assert "paths.surrogate_new: train_surrogate/new -> <absent>" in changes(now, stored, moved, roots)  # removed
 
 
 def test_a_run_folder_made_with_other_settings_is_refused_unless_forced_or_kept(tmp_path: Path) -> None:
