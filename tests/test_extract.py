@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvresearch.capture import oracle_scores
-from kvresearch.data.corpus import Document, load_corpus
+from kvresearch.data.corpus import Document, cap_documents, load_corpus
 from kvresearch.data.shards import hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
-from kvresearch.extraction import cap_documents, sample_positions
+from kvresearch.extraction import sample_positions
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.models.hooks import attention_inputs
 from kvresearch.prompts import repeat_prompt

@@ -22,6 +22,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +267,21 @@ def load_corpus(cfg: Any, tokenizer: Any, seed: int) -> tuple[list[Document], di
         "skipped_long": stats.skipped_long,
     }
     return chosen, summary
+
+
+def _in_turns(docs: list[Document]) -> list[Document]:
+    """Documents reordered to take their sources in turn (the first of each source, then the second, ...)."""
+    by_source: dict[str, list[Document]] = {}
+    for d in docs:
+        by_source.setdefault(d.source, []).append(d)
+    return [d for group in zip_longest(*by_source.values()) for d in group if d is not None]
+
+
+def cap_documents(docs: list[Document], max_docs: int | None) -> list[Document]:
+    """At most ``max_docs`` documents, test and train in proportion, sources taken in turn (None: all)."""
+    if not max_docs or max_docs >= len(docs):
+        return docs
+    test = [d for d in docs if d.split == "test"]
+    n_test = min(len(test), max(round(max_docs * len(test) / len(docs)), 1 if test and max_docs > 1 else 0))
+    train = [d for d in docs if d.split == "train"]
+    return _in_turns(test)[:n_test] + _in_turns(train)[: max_docs - n_test]

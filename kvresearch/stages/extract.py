@@ -16,11 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from kvresearch.data.corpus import load_corpus
+from kvresearch.data.corpus import cap_documents, load_corpus
 from kvresearch.errors import KVResearchError
 from kvresearch.extraction import (
     Settings,
-    cap_documents,
     document_rows,
     extract,
     merge_parts,

@@ -22,10 +22,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from kvresearch.data.corpus import load_corpus
+from kvresearch.data.corpus import cap_documents, load_corpus
 from kvresearch.data.shards import HIDDEN_DTYPES, Shard, hidden_from_numpy, open_shard
 from kvresearch.errors import KVResearchError
-from kvresearch.extraction import cap_documents
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.progress import Progress
 from kvresearch.runs import read_json
