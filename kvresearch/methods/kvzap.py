@@ -40,28 +40,8 @@ from kvresearch.models.session import Prefill, Session
 from kvresearch.ops.calibration import Calibration, calibrate_threshold
 from kvresearch.ops.selection import SCOPES
 from kvresearch.prompts import Prompt
-from kvresearch.surrogate.context import context_features, count_rates
+from kvresearch.surrogate.context import count_rates, with_context
 from kvresearch.surrogate.modules import Surrogate
-
-
-def surrogate_input(
-    surrogate: Surrogate,
-    adapter: ModelAdapter,
-    layer: int,
-    h: torch.Tensor,
-    positions: torch.Tensor,
-    rates: torch.Tensor | None,
-    length: int,
-) -> torch.Tensor:
-    """What the surrogate reads for T tokens at ``layer``: h (T, hidden) and its context columns, if any.
-
-    positions (T,): the tokens' offsets in the context; rates (T, 5): their count rates (``counts`` only);
-    length: the context's length so far.
-    """
-    names = surrogate.config.context
-    if not names:
-        return h
-    return torch.cat([h.float(), context_features(names, adapter, layer, h, positions, rates, length)], -1)
 
 
 @contextmanager
@@ -113,7 +93,7 @@ class ThresholdPruner:
             start = time.perf_counter()
             with torch.no_grad():
                 hidden = inputs.pop(index)[0]
-                x = surrogate_input(surrogate, adapter, index, hidden, positions, rates["call"], layer.seen)
+                x = with_context(surrogate.config.context, adapter, index, hidden, positions, rates["call"], layer.seen)
                 scores = surrogate.forward_layer(index, x).T.float()  # (Hkv, T)
             timer.seconds += time.perf_counter() - start
             if index in pending_pos:
@@ -208,7 +188,7 @@ class KVzap(Method):
             scores = []
             for i in range(prefill.num_layers):
                 h = prefill.inputs[i][0]
-                x = surrogate_input(self.surrogate, session.adapter, i, h, positions, rates, len(positions))
+                x = with_context(self.surrogate.config.context, session.adapter, i, h, positions, rates, len(positions))
                 scores.append(self.surrogate.forward_layer(i, x).T.float())
         self._scoring_s = time.perf_counter() - start
         return prefill, scores

@@ -116,3 +116,18 @@ def context_features(
                 raise KVResearchError("surrogate.context has 'counts' but no token ids were given for the context.")
             columns.append(rates.float().to(h.device))
     return torch.cat(columns, 1) if columns else h.new_zeros(len(h), 0).float()
+
+
+def with_context(
+    names: Sequence[str],
+    adapter: ModelAdapter,
+    layer: int,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    rates: torch.Tensor | None,
+    length: int,
+) -> torch.Tensor:
+    """What a surrogate of context ``names`` reads: h (T, hidden), then :func:`context_features` (h alone for ())."""
+    if not names:
+        return h
+    return torch.cat([h.float(), context_features(names, adapter, layer, h, positions, rates, length)], -1)
