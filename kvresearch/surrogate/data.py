@@ -133,6 +133,24 @@ class ExtractRun:
         """Global row indices of the given documents, ascending."""
         return np.flatnonzero(np.isin(self.doc, np.fromiter(documents, dtype=np.int64)))
 
+    def target_moments(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and standard deviation (layers, kv_heads), float32, of the targets of ``rows`` (scores only read).
+
+        A standard deviation of 0 (constant targets) is reported as 1, so dividing by it is always safe.
+        """
+        rows = np.sort(np.asarray(rows))
+        which = np.searchsorted(self.offsets, rows, side="right") - 1
+        shape = (self.layout["layers"], self.layout["kv_heads"])
+        total, squares = np.zeros(shape), np.zeros(shape)
+        for s in np.unique(which):
+            y = np.asarray(self.shards[s].scores[rows[which == s] - self.offsets[s]], dtype=np.float64)
+            total += y.sum(0)
+            squares += (y**2).sum(0)
+        n = max(len(rows), 1)
+        mean = total / n
+        std = np.sqrt(np.maximum(squares / n - mean**2, 0.0))
+        return torch.from_numpy(mean).float(), torch.from_numpy(np.where(std > 0, std, 1.0)).float()
+
     def fetch(self, rows: np.ndarray, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """H (n, layers, hidden) in ``dtype`` and y (n, layers, kv_heads) float32 for global ``rows`` (any order).
 

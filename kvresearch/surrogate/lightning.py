@@ -31,12 +31,26 @@ from kvresearch.tracking import Tracker
 
 
 class SurrogateModule(L.LightningModule):
-    """MSE regression of log KVzip+; AdamW with a per-epoch cosine schedule (the KVzap recipe)."""
+    """MSE regression of log KVzip+; AdamW with a per-epoch cosine schedule (the KVzap recipe).
 
-    def __init__(self, surrogate: Surrogate, lr: float, weight_decay: float, epochs: int):
+    With ``targets`` (mean, std), each (layers, kv_heads), the surrogate learns the standardized targets
+    ``(y - mean) / std`` (the logged MSE is in those units); :meth:`Surrogate.rescale_output` folds the
+    moments back after training. Weight decay then pulls the output towards the targets' mean, not towards 0
+    (on a random model the targets sit near -11 with a spread of a few hundredths).
+    """
+
+    def __init__(self, surrogate: Surrogate, lr: float, weight_decay: float, epochs: int,
+                 targets: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         super().__init__()
         self.surrogate = surrogate
         self.lr, self.weight_decay, self.epochs = lr, weight_decay, epochs
+        mean, std = targets if targets is not None else (torch.zeros(()), torch.ones(()))
+        self.register_buffer("target_mean", mean, persistent=False)
+        self.register_buffer("target_std", std, persistent=False)
+
+    def _standardized(self, y: torch.Tensor) -> torch.Tensor:
+        mean, std = self.get_buffer("target_mean"), self.get_buffer("target_std")
+        return (y - mean) / std
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """The surrogate's predictions."""
@@ -45,14 +59,14 @@ class SurrogateModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
         """MSE of a batch."""
         h, y = batch
-        loss = nn.functional.mse_loss(self.surrogate(h), y)
+        loss = nn.functional.mse_loss(self.surrogate(h), self._standardized(y))
         self.log("train/mse", loss, on_step=False, on_epoch=True, batch_size=len(h), sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
         """Log the validation MSE."""
         h, y = batch
-        mse = nn.functional.mse_loss(self.surrogate(h), y)
+        mse = nn.functional.mse_loss(self.surrogate(h), self._standardized(y))
         self.log("val/mse", mse, on_epoch=True, batch_size=len(h), sync_dist=True)
 
     def configure_optimizers(self) -> Any:

@@ -98,6 +98,16 @@ class Surrogate(nn.Module):
                 x = nn.functional.gelu(x)
         return x
 
+    def rescale_output(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Fold ``mean + std * output`` into the last map: mean and std (layers, kv_heads).
+
+        A surrogate trained on standardized targets ``(y - mean) / std`` then predicts y itself, and its export
+        (ours and kvpress's) is an ordinary surrogate.
+        """
+        with torch.no_grad():
+            self.weights[-1].mul_(std.to(self.weights[-1])[:, None, :])
+            self.biases[-1].mul_(std.to(self.biases[-1])).add_(mean.to(self.biases[-1]))
+
     def describe(self) -> dict[str, object]:
         """What a run records about the surrogate it used."""
         out: dict[str, object] = {"kind": self.config.kind, "model": self.config.model, "run": self.source}

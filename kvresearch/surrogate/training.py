@@ -78,7 +78,9 @@ def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, t
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner lines per run
     L.seed_everything(seed, workers=True, verbose=False)
     data = ShardDataModule(run, int(recipe["batch_size"]), float(recipe["val_fraction"]), seed)
-    module = SurrogateModule(surrogate, float(recipe["lr"]), float(recipe["weight_decay"]), int(recipe["epochs"]))
+    targets = run.target_moments(data.train_rows) if recipe.get("standardize_targets", True) else None
+    module = SurrogateModule(surrogate, float(recipe["lr"]), float(recipe["weight_decay"]), int(recipe["epochs"]),
+                             targets)  # fmt: skip
     last = out_dir / "ckpt" / "last.ckpt"
     trainer = L.Trainer(
         max_epochs=int(recipe["epochs"]),
@@ -93,6 +95,8 @@ def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, t
     )
     resumed_from = _checkpoint_to_resume(last)
     trainer.fit(module, datamodule=data, ckpt_path=str(last) if resumed_from is not None else None)
+    if targets is not None:
+        surrogate.rescale_output(*targets)
     surrogate.eval()
     mse = {
         split: float(np.mean((truth - pred) ** 2))
