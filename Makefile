@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe surrogate-transfer lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows bench-presses budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
+.PHONY: help install surrogate-study surrogate-recipe surrogate-curve surrogate-probe surrogate-transfer lock lint format test test-fast reproduce needle extract bench-extract bench-kvzap bench-am bench-windows bench-presses compat device-wheels device-check sizing budgets train-surrogate evaluate sweep-ruler sweep-longctx sweep-am aime fidelity lm-eval tables clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
@@ -207,6 +207,20 @@ bench-windows: $(STAMP) ## Gemma-3-270m's sliding layers: KV bytes before/after 
 
 bench-presses: $(STAMP) ## kvpress presses with real eviction vs kvpress's own prefill; kept-key position lookup (outputs/bench/presses.json)
 	$(PY) scripts/bench_presses.py $(ARGS)
+
+compat: $(STAMP) ## the GPU image's versions (Python 3.12, torch 2.11, transformers 5.17) in .venv-compat: the device check from the carried wheels, then the tests marked compat
+	scripts/compat.sh
+
+device-wheels: $(STAMP) ## wheels of what the GPU image lacks (requirements/device.txt) into .device-wheels/ with a manifest (< 30 MB)
+	$(PY) -m kvresearch.device_wheels
+
+PLAN ?= tiny
+OUT ?= outputs/device_check
+device-check: ## the prepared device check (docs/gpu.md): PLAN=gpu on a GPU (Qwen3-8B shape, bf16), PLAN=tiny on a CPU; JSON + summary in OUT
+	$(if $(wildcard $(PY)),$(PY),python3) -m kvresearch.device_check --out $(OUT) --plan $(PLAN)
+
+sizing: $(STAMP) ## GPU-hours of every experiment's hub variant -> docs/results/sizing.md (measured rates from docs/results/gpu/ where they exist)
+	$(PY) -m kvresearch.sizing
 
 budgets: $(STAMP) ## per-head AM budgets by measured sensitivity -> budgets.json (method.budgets=<that file>)
 	$(PY) -m kvresearch.stages.budgets $(ARGS)

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from importlib import metadata
+from importlib import import_module, metadata
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,7 @@ def _register_resolvers() -> None:
         "kvr.data": lambda name: str(PACKAGE_DIR / "benchmarks" / "data" / name),  # vendored benchmark data
         "kvr.run_name": run_name,
         "kvr.unless_set": _unless_set,
+        "kvr.model_name": lambda *a: import_module("kvresearch.models.architecture").model_name(*a),  # lazily
     }
     for name, fn in resolvers.items():
         if not OmegaConf.has_resolver(name):

@@ -41,6 +41,10 @@ FLOORS = {
     "budget_search": 3,
     "lmeval": 3,
     "stages": 4,
+    "device_check": 4,
+    "device_steps": 4,
+    "sizing": 4,
+    "device_wheels": 0,
 }
 FILE_IO = {
     "open",

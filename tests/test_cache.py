@@ -12,6 +12,8 @@ from kvresearch.models.cache import RaggedCache, RaggedLayer, ragged_attention_e
 from kvresearch.ops.attention import _fresh_prefill_rows, dense_reference, ragged_attention
 from tests.helpers import tiny_family
 
+pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
+
 
 def packed(keys, values, bias, pos):
     """Pack per-head lists into the ragged layout."""

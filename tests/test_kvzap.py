@@ -12,6 +12,8 @@ from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
 from kvresearch.models.hooks import after_attention, attention_inputs
 from kvresearch.surrogate import Surrogate, SurrogateConfig
 
+pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
+
 T, WINDOW = 200, 32
 
 

@@ -18,6 +18,8 @@ from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
 from tests.helpers import method_config, surrogate_run
 
+pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
+
 PRESSES = ["snapkv", "streaming_llm", "expected_attention", "tova", "knorm", "pyramidkv", "observed_attention"]
 
 

@@ -12,6 +12,8 @@ from kvresearch.models.hooks import after_attention, attention_calls, attention_
 from kvresearch.models.load import build_random
 from tests.helpers import FAMILIES, model_config, tiny_family
 
+pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
+
 
 def check_adapter_matches_attention(model: torch.nn.Module, ids: torch.Tensor) -> ModelAdapter:
     """q, k, v recomputed from each layer's input h equal what the model attends with."""

@@ -10,6 +10,10 @@ import textwrap
 import pytest
 import torch
 
+from kvresearch.device_check import interpreter_refuses
+
+pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
+
 SCRIPT = textwrap.dedent(
     """
     import torch
@@ -38,6 +42,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(interpreter_refuses() is not None, reason=str(interpreter_refuses()))
 def test_triton_kernel_matches_torch_reference_in_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(

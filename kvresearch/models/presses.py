@@ -124,21 +124,28 @@ def press_prefill(
 
 
 @torch.no_grad()
+def kvpress_prefill(session: Session, ids: torch.Tensor, press: Any) -> tuple[DynamicCache, int]:
+    """A plain kvpress prefill of ``ids`` (1, T) under ``press``: its cache and the bytes of the keys and values."""
+    dense = DynamicCache()
+    with press(session.model):
+        session.model(input_ids=ids.to(session.device), past_key_values=dense, use_cache=True, logits_to_keep=1)
+    kept_bytes = sum(e.keys.numel() * e.keys.element_size() * 2 for e in dense.layers if e.keys is not None)
+    return dense, kept_bytes
+
+
+@torch.no_grad()
 def masked_pairs(session: Session, ids: torch.Tensor, press: Any) -> tuple[set[tuple[int, int, int]], int]:
     """(layer, KV head, position) pairs a masking press evicts in a plain kvpress prefill, and the bytes kvpress keeps.
 
     For side-by-side comparisons with kvpress itself (its ``DMSPress`` keeps every pair in memory).
     """
-    dense = DynamicCache()
-    with press(session.model):
-        session.model(input_ids=ids.to(session.device), past_key_values=dense, use_cache=True)
+    _, kept_bytes = kvpress_prefill(session, ids, press)
     evicted: set[tuple[int, int, int]] = set()
     for index, spec in enumerate(session.adapter.layers):
         if getattr(spec.attn, "masked_key_indices", None) is not None:
             _, heads, positions = (t.tolist() for t in spec.attn.masked_key_indices)
             evicted |= {(index, h, p) for h, p in zip(heads, positions, strict=True)}
             spec.attn.masked_key_indices = None
-    kept_bytes = sum(e.keys.numel() * e.keys.element_size() * 2 for e in dense.layers if e.keys is not None)
     return evicted, kept_bytes
 
 
