@@ -28,6 +28,32 @@ from kvresearch.models.hooks import attention_calls
 from kvresearch.models.session import Session
 
 
+@contextmanager
+def cache_positions(adapter: Any) -> Iterator[None]:
+    """Give every attention call a ``cache_position`` keyword argument where transformers passes none.
+
+    kvpress 0.5.5's presses read ``kwargs["cache_position"]`` in their hooks; transformers 5.17 no longer passes it
+    to the attention modules (5.2 does, and then nothing changes). The positions of the call's tokens follow what
+    the layer's cache holds before the call.
+    """
+
+    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if kwargs.get("cache_position") is not None:
+            return None
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache = kwargs.get("past_key_values")
+        start = cache.get_seq_length(module.layer_idx) if cache is not None else 0
+        kwargs["cache_position"] = torch.arange(start, start + hidden.shape[1], device=hidden.device)
+        return args, kwargs
+
+    handles = [layer.attn.register_forward_pre_hook(before, with_kwargs=True) for layer in adapter.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _row_bytes(x: torch.Tensor) -> list[bytes]:
     """The bytes of each row of ``x`` (rows, d)."""
     raw = x.detach().cpu().contiguous().view(torch.uint8).numpy()  # (rows, d * element size)
@@ -90,7 +116,7 @@ def press_prefill(
     if attn_implementation:
         model.set_attn_implementation(attn_implementation)
     try:
-        with attention_calls(session.adapter, record), press(model):
+        with attention_calls(session.adapter, record), cache_positions(session.adapter), press(model):
             model(input_ids=ids, past_key_values=dense, use_cache=True)
     finally:
         model.set_attn_implementation(previous)
@@ -127,7 +153,7 @@ def press_prefill(
 def kvpress_prefill(session: Session, ids: torch.Tensor, press: Any) -> tuple[DynamicCache, int]:
     """A plain kvpress prefill of ``ids`` (1, T) under ``press``: its cache and the bytes of the keys and values."""
     dense = DynamicCache()
-    with press(session.model):
+    with cache_positions(session.adapter), press(session.model):
         session.model(input_ids=ids.to(session.device), past_key_values=dense, use_cache=True, logits_to_keep=1)
     kept_bytes = sum(e.keys.numel() * e.keys.element_size() * 2 for e in dense.layers if e.keys is not None)
     return dense, kept_bytes
@@ -192,7 +218,8 @@ def decoding_press(session: Session, cache: RaggedCache, press: Any) -> Iterator
 
     handles = [layer.attn.register_forward_hook(hook, with_kwargs=True) for layer in session.adapter.layers]
     try:
-        yield
+        with cache_positions(session.adapter):
+            yield
     finally:
         for handle in handles:
             handle.remove()
