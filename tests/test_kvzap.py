@@ -115,6 +115,7 @@ def test_a_threshold_that_evicts_everything_still_keeps_the_window(setup) -> Non
 def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_path, kind) -> None:
     from kvpress import DMSPress, KVzapPress
 
+    from kvresearch.models.presses import cache_positions
     from kvresearch.surrogate.export import to_kvpress
 
     model, adapter, ids, _, _, _ = setup
@@ -131,7 +132,7 @@ def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_p
     scorer.kvzap_model = KVzapModel.from_pretrained(tmp_path)
     press = DMSPress(scorer, threshold=tau, sliding_window_size=WINDOW)
     dense = DynamicCache()
-    with torch.no_grad(), press(model):
+    with torch.no_grad(), cache_positions(adapter), press(model):  # what transformers < 5.17 passes kvpress
         model(input_ids=ids, past_key_values=dense, use_cache=True)
     for index, spec in enumerate(adapter.layers):
         _, heads, positions = (t.tolist() for t in spec.attn.masked_key_indices)

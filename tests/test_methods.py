@@ -12,7 +12,7 @@ from kvresearch.methods.kvzap import KVzap
 from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.cache import ragged_attention_enabled
-from kvresearch.models.presses import _nearest_positions, _positions_of
+from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions
 from kvresearch.ops.selection import keep_topk
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
@@ -57,7 +57,7 @@ def test_kvpress_baseline_with_real_eviction_matches_kvpress(name, session, prom
         model.set_attn_implementation("eager")
     dense = DynamicCache()
     with torch.no_grad():
-        with press(model):
+        with cache_positions(session.adapter), press(model):  # what transformers < 5.17 passes kvpress itself
             model(input_ids=prompt.context_ids, past_key_values=dense, use_cache=True)
         model.set_attn_implementation("sdpa")
         theirs = model(
