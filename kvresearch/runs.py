@@ -89,8 +89,7 @@ def run_name(override_dirname: str = "") -> str:
 
 def run_id(folder: Path) -> str:
     """A run's short id: 8 hex digits of the sha1 of ``<stage>/<name>``."""
-    folder = Path(folder)
-    return hashlib.sha1(f"{folder.parent.name}/{folder.name}".encode()).hexdigest()[:8]
+    return hashlib.sha1(f"{Path(folder).parent.name}/{Path(folder).name}".encode()).hexdigest()[:8]
 
 
 def is_done(out_dir: Path) -> bool:
@@ -104,9 +103,10 @@ def resolve_run(ref: str | Path, stage: str, root: str | Path | None = None) -> 
     Raises:
         KVResearchError: no such run, or the run is not finished; the message lists the finished runs.
     """
+    if isinstance(ref, int | float):  # Hydra reads an unquoted id such as 12e45678 or 01234567 as a number
+        raise KVResearchError(f"The run reference {ref!r} was read as a number: quote the run id (key='<id>').")
     root = Path(root) if root is not None else outputs_root()
-    text = str(ref).strip()
-    path = Path(text).expanduser()
+    path = Path(text := str(ref).strip()).expanduser()
     candidates = [path] if path.is_absolute() else [root / text, root / stage / text, Path.cwd() / text]
     folder = next((c for c in candidates if c.is_dir()), None)
     if folder is None and RUN_ID.fullmatch(text):

@@ -325,3 +325,10 @@ def test_a_run_that_read_a_run_redone_since_is_refused(tmp_path: Path) -> None:
     cfg.force = False
     execute(cfg, reader)
     assert len(calls) == 2  # redone against today's surrogate, then skipped
+
+
+def test_a_run_id_hydra_read_as_a_number_is_refused_with_the_fix() -> None:
+    """Hydra reads an unquoted id such as 12e45678 as a float (here inf) and 01234567 as an int."""
+    for number in (float("inf"), 1234567):
+        with pytest.raises(KVResearchError, match="read as a number: quote the run id"):
+            resolve_run(number, "train_surrogate")  # type: ignore[arg-type]
