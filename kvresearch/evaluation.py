@@ -12,9 +12,9 @@ each kept under ``samples``; fidelity is measured on greedy answers only.
 
 Fidelity: the full cache's greedy answer to the same question comes from a finished ``method=full``
 evaluate run, found by path (the run with this run's overrides but the method, see
-:func:`find_reference`) and checked to match this run's model, benchmark and prompts; answers it lacks
-are computed here. Per answer: exact agreement with the full-cache answer and the mean negative
-log-likelihood of that answer under the compressed cache (the Attention Matching paper's metric).
+:func:`kvresearch.runs.resolve.full_cache_run`) and checked to match this run's model, benchmark and
+prompts; answers it lacks are computed here. Per answer: exact agreement with the full-cache answer and the
+mean negative log-likelihood of that answer under the compressed cache (the Attention Matching paper's metric).
 """
 
 from __future__ import annotations
@@ -28,18 +28,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvresearch import records
 from kvresearch.answering import Answer, Settings, check_lengths, prompts_of, respond
 from kvresearch.benchmarks.metrics import METRICS
 from kvresearch.benchmarks.sample import Question, Sample
-from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import FullCache, Method
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session
 from kvresearch.progress import Progress
 from kvresearch.prompts import Prompt
-from kvresearch.runs import is_done, read_json, resolve_run, sibling_runs, write_atomic
+from kvresearch.runs import is_done, outputs_root, read_json, repo_root, write_atomic
+from kvresearch.runs import records as run_records
 from kvresearch.tracking import Tracker
 
 ANSWER_GROUPS = ("model", "benchmark", "evaluate")  # what a full-cache answer depends on
@@ -101,39 +100,20 @@ class Predictions:
             out.write(json.dumps(record) + "\n")
 
 
-def find_reference(explicit: str | None, out_dir: Path, root: Path) -> Path | None:
-    """The finished ``method=full`` run to take full-cache answers from, or None.
-
-    ``explicit``: a run folder or id (``evaluate.reference_run``); None: the run named by this run's model,
-    benchmark and evaluate overrides with ``method=full`` (or the default method), if it is finished here or,
-    failing that, recorded (:mod:`kvresearch.records`: it finished on another machine).
-    """
-    if explicit:
-        return resolve_run(explicit, "evaluate", root)
-    # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
-    merged = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS[:1])
-    whole = sibling_runs(out_dir, ANSWER_GROUPS, "method=full", drop=SHARD_KEYS)
-    candidates = [p for p in [*merged, *whole] if p != out_dir]
-    found = next((p for p in candidates if is_done(p)), None)
-    if found is None:
-        found = next((p for p in candidates if records.read(records.path_of(records.records_root(), p))), None)
-        if found is not None:
-            print(f"[kvresearch] full-cache answers from the run record of {found.name}", flush=True)
-    return note_input(found, root) if found is not None else None
-
-
 def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Records of a finished full-cache run, after checking it was made under the same settings as ``expect``.
 
-    From its run folder, else from its run record (:mod:`kvresearch.records`).
+    From its run folder, else from its run record (:mod:`kvresearch.runs.records`).
     """
     fix = f"Re-run that method=full run with force=true, or set evaluate.reference_run to another run ({folder})."
-    record = None if is_done(folder) else records.read(records.path_of(records.records_root(), folder))
+    record = None if is_done(folder) else run_records.read(run_records.path_of(run_records.records_root(), folder))
     recorded = record["metrics"] if record is not None else read_json(folder / "metrics.json", fix)
     if (recorded.get("method") or {}).get("class") != "FullCache":
         raise KVResearchError(
             f"The reference run {folder} is not a full-cache run (method={recorded.get('method')}). {fix}"
         )
+    if record is not None:  # a record's paths read <outputs>/... and <checkout>/...: compare ours the same way
+        expect = run_records.portable(dict(expect), {"outputs": str(outputs_root()), "checkout": str(repo_root())})
     for key, value in expect.items():
         theirs = recorded.get(key) or {}
         differ = sorted(k for k in set(theirs) | set(value) if theirs.get(k) != value.get(k))

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import is_done, resolve_run, run_with
+from kvresearch.runs.provenance import Inputs
 
 
 def part_range(n_items: int, num_shards: int, shard_index: int, stage: str) -> range:
@@ -34,10 +34,13 @@ def merging(num_shards: int, shard_index: int | None) -> bool:
     return int(num_shards) > 1 and shard_index is None
 
 
-def part_runs(out_dir: Path, stage: str, num_shards: int, explicit: Sequence[str] | None, root: Path) -> list[Path]:
-    """The finished part runs to merge, in order: ``explicit`` (folders or ids), else named from the overrides."""
+def part_runs(out_dir: Path, stage: str, num_shards: int, explicit: Sequence[str] | None, inputs: Inputs) -> list[Path]:
+    """The finished part runs to merge, in order, each noted in ``inputs``.
+
+    ``explicit`` (references) if given, else the parts named from this job's overrides.
+    """
     if explicit:
-        return [resolve_run(str(p), stage, root) for p in explicit]
+        return [inputs.add(resolve_run(str(p), stage, inputs.root)) for p in explicit]
     folders = [run_with(out_dir, f"{stage}.shard_index={k}") for k in range(num_shards)]
     missing = [str(f) for f in folders if not is_done(f)]
     if missing:
@@ -46,4 +49,4 @@ def part_runs(out_dir: Path, stage: str, num_shards: int, explicit: Sequence[str
             f"Run them first: the same command with `-m {stage}.shard_index={','.join(map(str, range(num_shards)))}` "
             f"(a finished part is skipped), or list finished runs in {stage}.parts."
         )
-    return [note_input(f, root) for f in folders]
+    return [inputs.add(f) for f in folders]

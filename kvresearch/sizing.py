@@ -115,7 +115,7 @@ def experiment_rows(name: str, rates: dict[str, dict[str, float]]) -> list[dict[
     """Per model of ``name``'s hub variant: cells, contexts, GPU-hours and whether the rates were measured."""
     from hydra import compose, initialize_config_dir
 
-    from kvresearch import experiments
+    from kvresearch import experiment as experiments
     from kvresearch.runs import CONF_DIR
 
     exp = experiments.load(name)
@@ -152,7 +152,7 @@ def experiment_rows(name: str, rates: dict[str, dict[str, float]]) -> list[dict[
 
 def table(rates: dict[str, dict[str, float]]) -> str:
     """The Markdown sizing table of every experiment's hub variant."""
-    from kvresearch import experiments
+    from kvresearch import experiment as experiments
 
     lines = [
         "| experiment | model | cells | contexts | GPU-hours (one H100) | rates | workload |",

@@ -1,20 +1,14 @@
-"""scripts/am_curves.py on planted run folders: the claim check pairs answers and picks the best eviction method."""
+"""kvresearch/reports/am_curves.py on planted run folders: the claim check pairs answers, picks the best eviction."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvresearch.runs import CONF_DIR
-
-spec = importlib.util.spec_from_file_location("am_curves", CONF_DIR.parent / "scripts" / "am_curves.py")
-assert spec is not None and spec.loader is not None
-am_curves = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(am_curves)
+from kvresearch.reports import am_curves
 
 
 def plant(root: Path, name: str, keep: float | None, nll: list[float], prune: float, done: bool = True) -> None:

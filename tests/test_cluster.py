@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -177,10 +176,8 @@ def test_launchers_run_extract_train_and_evaluate_as_jobs(tmp_path: Path) -> Non
 
 
 def test_the_pipeline_plan_waits_for_each_hand_off_and_names_the_runs_hydra_writes() -> None:
-    spec = importlib.util.spec_from_file_location("submit_pipeline", CONF_DIR.parent / "scripts" / "submit_pipeline.py")
-    assert spec is not None and spec.loader is not None
-    pipeline = sys.modules["submit_pipeline"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    spec.loader.exec_module(pipeline)
+    from kvresearch.experiment import pipeline
+
     jobs = {j.name: j for j in pipeline.plan(3, ["model=tiny_random"], {"extract": ["extract.max_docs=6"]})}
     assert jobs["merge"].after == ["extract-0", "extract-1", "extract-2"]
     assert jobs["train-mlp"].after == ["merge"] and jobs["evaluate-full"].after == ["train-linear", "train-mlp"]

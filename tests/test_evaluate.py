@@ -69,7 +69,7 @@ def test_kvzap_takes_full_answers_from_the_sibling_full_run_and_tables_read_the_
     for key in ("agreement", "full_answer_nll", "prune_ratio", "score"):  # same numbers whatever the source
         assert metrics["overall"][key] == pytest.approx(alone["overall"][key], rel=1e-9), key
     result = subprocess.run(
-        [sys.executable, "scripts/make_tables.py", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
+        [sys.executable, "-m", "kvresearch.reports.tables", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
         cwd=CONF_DIR.parent,
         capture_output=True,
         text=True,

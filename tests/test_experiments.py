@@ -12,17 +12,18 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from kvresearch import experiments
+from kvresearch import experiment as experiments
 from kvresearch.errors import KVResearchError
 from kvresearch.runs import CONF_DIR, repo_root
+from kvresearch.runs.steps import step_run
 from kvresearch.stats import bootstrap_mean, paired_difference
 from tests.helpers import SMALL_RULER, compose_stage, surrogate_run
 
-SCRIPT = repo_root() / "scripts" / "experiment.py"
+CLI = ["-m", "kvresearch.experiment"]
 
 
 @pytest.mark.parametrize("name", experiments.names())
-def test_every_experiment_config_composes_for_each_model_and_row(name: str) -> None:
+def test_every_experiment_config_composes_for_each_model_and_row(name: str, tmp_path: Path) -> None:
     exp = experiments.load(name)
     for variant in ("twin", "hub"):
         seen = set()
@@ -34,7 +35,12 @@ def test_every_experiment_config_composes_for_each_model_and_row(name: str) -> N
             if cell.stage == "evaluate":
                 source = cfg.model.source
                 assert (source == "hub") == (variant == "hub"), (name, variant, cell.model)
-    if exp.get("kind", "curve") == "curve":
+        for step in experiments.steps(exp, variant):  # a step's hand-off to another step resolves to its folder
+            compose_stage(step.stage, None, list(step.overrides))
+            for ref in [o.split("=", 1)[1] for o in step.overrides if o.startswith("paths.")]:
+                stage, folder = step_run(*ref.split(":"), tmp_path)
+                assert folder.parent == tmp_path / stage, (name, step.name, ref)
+    if experiments.cells(exp, "twin") and exp.get("kind", "curve") == "curve":
         assert experiments.cells(exp, "twin")[0].reference  # the full-cache row comes first
 
 
@@ -68,14 +74,14 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
                   kind="linear")  # fmt: skip
     env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / "out")}
     spec = write_experiment(tmp_path / "fixture_xyz.yaml", tmp_path / "out" / "surrogate")
-    run = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec)], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, *CLI, "run", str(spec)], env=env, capture_output=True, text=True,
                          cwd=repo_root())  # fmt: skip  # logged to W&B (offline), grouped per experiment
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "3 cells to run" in run.stdout
+    assert "3 runs to start" in run.stdout
     # A fourth row added afterwards has no run: the table says so, the finished cells give their numbers.
     write_experiment(spec, tmp_path / "out" / "surrogate", extra_row=True)
     args = ["table", str(spec), "--out", str(tmp_path / "tables"), "--root", str(tmp_path / "out"), "--no-wandb"]
-    table = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True)
+    table = subprocess.run([sys.executable, *CLI, *args], env=env, capture_output=True, text=True)
     assert table.returncode == 0, table.stderr[-2000:]
     text = (tmp_path / "tables" / "fixture_xyz_twin.md").read_text()
     rows = {line.split(" | ")[1]: line.strip("| ").split(" | ") for line in text.splitlines() if "tiny_random" in line}
@@ -100,28 +106,28 @@ def test_run_then_table_reads_hydra_run_folders_and_prints_not_run_for_missing_c
     assert rows["streaming_llm"][6] == f"{diff.mean * 100:+.1f} [{diff.low * 100:+.1f}, {diff.high * 100:+.1f}]"
     assert "tau=" in rows["kvzap_linear"][2]  # the calibrated threshold is shown with its target
     # A re-run finds nothing left but the new row.
-    again = subprocess.run([sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb", "--print"], env=env,
+    again = subprocess.run([sys.executable, *CLI, "run", str(spec), "--no-wandb", "--print"], env=env,
                            capture_output=True, text=True, cwd=repo_root())  # fmt: skip
-    assert "1 cells to run" in again.stdout and "snapkv" in again.stdout
+    assert "1 runs to start" in again.stdout and "snapkv" in again.stdout
     # A finished cell whose stored settings differ from today's config (a default changed since) is not reused
     # silently: the runner lists it, and redoes it or keeps it only when told.
     stored = cells["streaming_llm"].folder(tmp_path / "out") / "config.yaml"
     stored.write_text(stored.read_text().replace("max_new_tokens: 8", "max_new_tokens: 9"))
-    base = [sys.executable, str(SCRIPT), "run", str(spec), "--no-wandb", "--print"]
+    base = [sys.executable, *CLI, "run", str(spec), "--no-wandb", "--print"]
     printed = lambda *flags: subprocess.run([*base, *flags], env=env, capture_output=True, text=True, cwd=repo_root())
     refused = printed()
     assert refused.returncode != 0 and "0 cells" not in refused.stdout
-    assert "1 cells of" in refused.stderr and "streaming_llm" in refused.stderr
+    assert "1 runs of" in refused.stderr and "streaming_llm" in refused.stderr
     assert "evaluate.max_new_tokens: 9 -> 8" in refused.stderr and "--on-config-change redo" in refused.stderr
     kept = printed("--on-config-change", "keep")
-    assert kept.returncode == 0 and "1 cells to run" in kept.stdout and "streaming_llm" not in kept.stdout
+    assert kept.returncode == 0 and "1 runs to start" in kept.stdout and "streaming_llm" not in kept.stdout
     redone = printed("--on-config-change", "redo")
-    assert redone.returncode == 0 and "2 cells to run" in redone.stdout
+    assert redone.returncode == 0 and "2 runs to start" in redone.stdout
     assert [line for line in redone.stdout.splitlines() if "force=true" in line] == [
         line for line in redone.stdout.splitlines() if "method=streaming_llm" in line
     ]
     # The table still shows the cell's numbers, marked, with what differs listed under it.
-    table = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True)
+    table = subprocess.run([sys.executable, *CLI, *args], env=env, capture_output=True, text=True)
     assert table.returncode == 0, table.stderr[-2000:]
     text = (tmp_path / "tables" / "fixture_xyz_twin.md").read_text()
     marked = [line for line in text.splitlines() if "(changed)" in line and line.startswith("|")]
@@ -134,7 +140,7 @@ def test_configs_in_conf_experiment_name_models_that_exist() -> None:
     for name in experiments.names():
         spec = yaml.safe_load((CONF_DIR / "experiment" / f"{name}.yaml").read_text())
         for variant in spec["variants"].values():
-            for entry in variant["models"]:
+            for entry in variant.get("models") or []:
                 assert (entry if isinstance(entry, str) else entry["name"]) in models, (name, entry)
 
 
@@ -241,17 +247,13 @@ def test_extra_metrics_get_their_mean_and_paired_difference_against_the_full_cac
 
 
 def test_a_single_ratio_table_plots_its_rows_side_by_side_and_a_curve_against_the_ratio() -> None:
-    import importlib.util
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = importlib.util.spec_from_file_location("experiment_cli", CONF_DIR.parent / "scripts" / "experiment.py")
-    assert spec is not None and spec.loader is not None
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    from kvresearch.experiment import figures as cli
+
     m = bootstrap_mean([0.0, 1.0, 1.0])
     full = {"row": "full", "x": 0.0, "mean": m, "reference": True}
     ablation = [full, *({"row": r, "x": 0.937 + 0.001 * i, "mean": m} for i, r in enumerate(["a", "b", "c"]))]

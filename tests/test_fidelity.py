@@ -51,7 +51,7 @@ def test_full_cache_logppl_is_the_dense_forward_pass_and_methods_read_its_genera
         assert record["prune_ratio"] > 0.4 and record["context_prune_ratio"] == 0.0  # pruned while decoding only
         assert record["kv_bytes_final_kept"] < record["kv_bytes_peak_kept"]
     result = subprocess.run(
-        [sys.executable, "scripts/make_tables.py", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
+        [sys.executable, "-m", "kvresearch.reports.tables", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
         cwd=Path(__file__).parents[1],
         capture_output=True,
         text=True,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from nbclient import NotebookClient
 
-from kvresearch import experiments
+from kvresearch import experiment as experiments
 from kvresearch.runs import repo_root
 
 

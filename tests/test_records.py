@@ -1,4 +1,4 @@
-"""Run records (kvresearch/records.py): a table rebuilt on a machine that has none of the run folders."""
+"""Run records (kvresearch/runs/records.py): a table rebuilt on a machine that has none of the run folders."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvresearch import experiments, records
+from kvresearch import experiment as experiments
 from kvresearch.errors import KVResearchError
-from kvresearch.runs import repo_root
+from kvresearch.runs import records, repo_root
 from kvresearch.stats import paired_difference
 from tests.helpers import SMALL_RULER
 
-SCRIPT = repo_root() / "scripts" / "experiment.py"
+CLI = ["-m", "kvresearch.experiment"]
 
 
 def table_rows(path: Path) -> dict[str, list[str]]:
@@ -37,8 +37,9 @@ def test_records_carry_a_table_and_a_reference_run_to_a_machine_without_the_run_
     store = tmp_path / "records"
 
     def cli(machine: str, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / machine), "KVRESEARCH_RECORDS": str(store)}
-        return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+        env = {**os.environ, "KVRESEARCH_OUTPUTS": str(tmp_path / machine), "KVRESEARCH_RECORDS": str(store),
+               records.DIRTY_ENV: "1"}  # fmt: skip  # a checkout being edited records too (with its diff)
+        return subprocess.run([sys.executable, *CLI, *args], env=env, capture_output=True, text=True,
                               cwd=repo_root())  # fmt: skip
 
     def table(machine: str, out: str) -> str:
@@ -57,7 +58,8 @@ def test_records_carry_a_table_and_a_reference_run_to_a_machine_without_the_run_
     folder = cells["streaming_llm"].folder(tmp_path / "a")
     kept = records.read(paths["streaming_llm"])
     assert kept is not None and kept["done"] == (folder / "DONE").read_text().strip()
-    assert kept["metrics"] == json.loads((folder / "metrics.json").read_text())
+    roots = {"outputs": str(tmp_path / "a"), "checkout": str(repo_root())}  # paths in a record are relative
+    assert kept["metrics"] == records.portable(json.loads((folder / "metrics.json").read_text()), roots)
     assert kept["predictions"] == [json.loads(x) for x in (folder / "predictions.jsonl").read_text().splitlines()]
     stamp = paths["full"].stat().st_mtime_ns
     table("a", "t1")
@@ -69,9 +71,9 @@ def test_records_carry_a_table_and_a_reference_run_to_a_machine_without_the_run_
     assert "2 of 3 cells finished" in text and "Cells read from run records" in text
     assert "- tiny_random full: finished" in text and "- tiny_random streaming_llm keep_ratio=0.5: finished" in text
     printed = cli("b", "run", str(spec), "--no-wandb", "--print")
-    assert "3 cells to run" in printed.stdout and "2 of these cells have run records" in printed.stdout
+    assert "3 runs to start" in printed.stdout and "2 of these cells have run records" in printed.stdout
     skipping = cli("b", "run", str(spec), "--no-wandb", "--print", "--skip-recorded")
-    assert "1 cells to run" in skipping.stdout and "snapkv" in skipping.stdout
+    assert "1 runs to start" in skipping.stdout and "snapkv" in skipping.stdout
 
     # The missing cell runs on b and takes its full-cache answers from the full cache's record.
     ran = cli("b", "run", str(spec), "--no-wandb", "--skip-recorded")
@@ -109,3 +111,30 @@ def test_a_record_is_read_only_when_it_is_one(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text(json.dumps({"format": 1, "stage": "evaluate"}))
     with pytest.raises(KVResearchError, match="missing"):
         records.read(tmp_path / "other.json")
+
+
+def test_a_record_holds_no_machine_path_and_needs_a_clean_commit(tmp_path: Path) -> None:
+    root, checkout = tmp_path / "outputs", tmp_path / "checkout"
+    folder = root / "evaluate" / "method=full"
+    folder.mkdir(parents=True)
+    config = {"paths": {"root": str(root)}, "out_dir": str(folder), "budgets": f"{checkout}/conf/b.json", "seed": 0}
+    (folder / "config.yaml").write_text(json.dumps(config))
+    git = {"commit": "abc", "dirty": True, "diff_sha1": "f00", "diff": "+x\n"}
+    (folder / "versions.json").write_text(json.dumps({"git": git, "checkout": str(checkout)}))
+    (folder / "metrics.json").write_text(json.dumps({"inputs": {}, "extract_run": f"{root}/extract/default"}))
+    (folder / "predictions.jsonl").write_text(json.dumps({"id": "q#0", "score": 1.0}) + "\n")
+    (folder / "DONE").write_text("2026-12-06T00:00:00+00:00\n")
+    store = tmp_path / "records"
+    assert records.write(folder, store) is None  # made from uncommitted changes: not recorded
+    written = records.write(folder, store, allow_dirty=True)
+    assert written is not None
+    text = written.read_text()
+    assert str(tmp_path) not in text  # every path relative to the outputs root or the checkout
+    record = records.read(written)
+    assert record is not None and record["config"]["out_dir"] == "<outputs>/evaluate/method=full"
+    assert record["config"]["budgets"] == "<checkout>/conf/b.json" and record["versions"]["git"]["diff"] == "+x\n"
+    assert record["metrics"]["extract_run"] == "<outputs>/extract/default"
+    git["dirty"] = False
+    (folder / "versions.json").write_text(json.dumps({"git": git, "checkout": str(checkout)}))
+    (folder / "DONE").write_text("2026-12-06T00:00:01+00:00\n")
+    assert records.write(folder, store) == written  # a clean commit is recorded

@@ -240,7 +240,7 @@ def test_a_bad_method_option_fails_in_one_paragraph_before_the_model_loads(tmp_p
 
 
 def test_config_changes_list_each_differing_setting_and_ignore_where_a_run_lives() -> None:
-    from kvresearch.config_check import changes
+    from kvresearch.runs.changes import changes
 
     roots = {"outputs": "/old/out", "checkout": "/old/repo"}
     moved = {"outputs": "/new/out", "checkout": "/new/repo"}
@@ -256,7 +256,7 @@ def test_config_changes_list_each_differing_setting_and_ignore_where_a_run_lives
     assert changes(stored, same, roots, moved) == []  # moved outputs and checkout, forced, logged: the same run
     now = {**same, "surrogate": {"weight_decay": 1.0, "epochs": 15, "width": 72}, "benchmark": {"tasks": ["a"]},
            "method": {"budgets": "/elsewhere/m.json"},
-           "paths": {**same["paths"], "surrogate_new": "train_surrogate/new"}}  # fmt: skip
+           "paths": {**same["paths"], "extract_new": "extract/new"}}  # fmt: skip
     assert changes(stored, now, roots, moved) == [
         "benchmark.tasks: ['a', 'b'] -> ['a']",
         "method.budgets: <checkout>/conf/head_budgets/m.json -> /elsewhere/m.json",
@@ -265,7 +265,7 @@ def test_config_changes_list_each_differing_setting_and_ignore_where_a_run_lives
     ]
     moved_extract = {**now, "paths": {**now["paths"], "extract": "extract/other"}}  # a hand-off that changed is
     assert "paths.extract: extract/default -> extract/other" in changes(stored, moved_extract, roots, moved)
-    assert "paths.surrogate_new: train_surrogate/new -> <absent>" in changes(now, stored, moved, roots)  # removed
+    assert "paths.extract_new: extract/new -> <absent>" in changes(now, stored, moved, roots)  # removed
 
 
 def test_a_run_folder_made_with_other_settings_is_refused_unless_forced_or_kept(tmp_path: Path) -> None:
@@ -305,7 +305,7 @@ def test_a_run_that_read_a_run_redone_since_is_refused(tmp_path: Path) -> None:
     calls = []
 
     def reader(cfg, ctx):
-        calls.append(resolve_run("train_surrogate/mlp", "train_surrogate", cfg.paths.root))
+        calls.append(ctx.inputs.add(resolve_run("train_surrogate/mlp", "train_surrogate", cfg.paths.root)))
         return {"score": 1.0}
 
     cfg = compose_stage("needle", tmp_path / "needle" / "reader", ["model=tiny_random", f"paths.root={tmp_path}"])

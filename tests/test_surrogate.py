@@ -127,7 +127,7 @@ def test_kvpress_loads_our_export_and_scores_the_same(kind: str, tmp_path: Path)
 
 
 def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(KVResearchError, match=r"No finished extract run at .*make extract"):
+    with pytest.raises(KVResearchError, match=r"No finished extract run at .*make stage-extract"):
         ExtractRun(tmp_path / "missing")
     with pytest.raises(KVResearchError, match=rf"No extract run '{tmp_path / 'missing'}' under"):
         train(tmp_path / "t", tmp_path / "missing")

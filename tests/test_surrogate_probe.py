@@ -1,8 +1,7 @@
-"""scripts/surrogate_probe.py: each richer input explains exactly the part of a planted target it carries."""
+"""kvresearch/studies/probe.py: each richer input explains exactly the part of a planted target it carries."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,21 +18,9 @@ from kvresearch.models import ModelAdapter
 from kvresearch.ops.scores import value_output_norms
 from kvresearch.runs import execute, repo_root
 from kvresearch.stages.extract import run as extract_stage
+from kvresearch.studies import probe as probe_script
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage, model_config, synthetic_extract
-
-
-def load_script(name: str) -> Any:
-    """scripts/<name>.py as a module, registered so that its sibling scripts import it by name."""
-    spec = importlib.util.spec_from_file_location(name, repo_root() / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
-
-
-load_script("surrogate_study")  # the probe imports it
-probe_script = load_script("surrogate_probe")
 
 
 def log_norms(adapter: ModelAdapter, h: torch.Tensor, layer: int) -> torch.Tensor:
@@ -53,7 +40,7 @@ def probe(tmp_path: Path, teacher: Callable[[torch.Tensor], torch.Tensor], adapt
         (folder / "manifest.json").write_text(json.dumps(manifest))
         OmegaConf.save({"model": model_config("tiny_random")}, folder / "config.yaml")
     out = tmp_path / f"probe{len(list(tmp_path.glob('probe*.json')))}.json"
-    cmd = [sys.executable, "scripts/surrogate_probe.py", "--extract", str(folder), *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "kvresearch.studies.probe", "--extract", str(folder), *args, "--out", str(out)]
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(out.read_text())
@@ -108,10 +95,10 @@ def test_the_factored_mlp_fits_a_target_of_the_kvzip_plus_form_that_a_plain_mlp_
     assert mean["h"] < mean["value_norms"] - 0.2, mean  # width D/8 = 8 cannot form a 64-wide quadratic's log
     assert mean["h"] < mean["factored"] - 0.3, mean
 
-    bad = [sys.executable, "scripts/surrogate_probe.py", "--inputs", "factored"]  # ridge: refused before loading
+    bad = [sys.executable, "-m", "kvresearch.studies.probe", "--inputs", "factored"]  # ridge: refused before loading
     done = subprocess.run(bad, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "--fit mlp" in done.stderr
-    typo = [*bad[:2], "--extract", str(tmp_path / "extract"), "--fit", "mlp", "--set", "weightdecay=0"]
+    typo = [*bad[:3], "--extract", str(tmp_path / "extract"), "--fit", "mlp", "--set", "weightdecay=0"]
     done = subprocess.run(typo, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "weightdecay" in done.stderr and "weight_decay" in done.stderr
 

@@ -1,8 +1,7 @@
-"""scripts/surrogate_study.py's bookkeeping: the learning curve's sizes, views per extract, one run per point."""
+"""kvresearch/studies/surrogates.py's bookkeeping: the learning curve's sizes, views per extract, one run per point."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -12,15 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvresearch.experiments import run_folder
-from kvresearch.runs import CONF_DIR, today
+from kvresearch.runs import run_folder, today
+from kvresearch.studies import surrogates as study
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage, synthetic_extract
-
-spec = importlib.util.spec_from_file_location("surrogate_study", CONF_DIR.parent / "scripts" / "surrogate_study.py")
-assert spec is not None and spec.loader is not None
-study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)
 
 SOURCES = ("essays", "wiki", "bible")
 

@@ -1,4 +1,4 @@
-"""scripts/surrogate_transfer.py: per-source held-out fit of a finished surrogate, against a direct computation."""
+"""kvresearch/studies/transfer.py: per-source held-out fit of a finished surrogate, against a direct computation."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_transfer_scores_each_source_and_all_of_them(tmp_path: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
     json_out = tmp_path / "outputs"
-    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--extract", str(folder), "--surrogate",
+    cmd = [sys.executable, "-m", "kvresearch.studies.transfer", "--extract", str(folder), "--surrogate",
            f"planted={tmp_path / 'planted'}", "--out", str(tmp_path), "--name", "transfer"]  # fmt: skip
     env = {**os.environ, "KVRESEARCH_OUTPUTS": str(json_out)}
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, env=env)
@@ -57,7 +57,7 @@ def test_transfer_scores_each_source_and_all_of_them(tmp_path: Path) -> None:
 
 
 def test_transfer_names_a_malformed_column() -> None:
-    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--surrogate", "mlp"]
+    cmd = [sys.executable, "-m", "kvresearch.studies.transfer", "--surrogate", "mlp"]
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "expected NAME=RUN" in done.stderr
 
@@ -73,7 +73,7 @@ def test_transfer_refuses_a_surrogate_trained_on_a_tested_source(tmp_path: Path)
     (folder / "manifest.json").write_text(json.dumps(manifest))  # its train document is news, its test one too
     recorded = json.loads((tmp_path / "planted" / "metrics.json").read_text())
     (tmp_path / "planted" / "metrics.json").write_text(json.dumps({**recorded, "extract_run": str(folder)}))
-    cmd = [sys.executable, "scripts/surrogate_transfer.py", "--extract", str(folder), "--surrogate",
+    cmd = [sys.executable, "-m", "kvresearch.studies.transfer", "--extract", str(folder), "--surrogate",
            f"planted={tmp_path / 'planted'}", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True)
     assert done.returncode != 0 and "trained on news, which this extract tests on" in done.stderr

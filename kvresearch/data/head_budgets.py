@@ -41,7 +41,9 @@ def load_shares(path: str | Path) -> dict[HeadKey, float]:
     """Read a budget file (see the module docstring)."""
     p = Path(path)
     if not p.is_file():
-        raise KVResearchError(f"budget file {p} does not exist; write one with `make budgets` or pass budgets=null.")
+        raise KVResearchError(
+            f"budget file {p} does not exist; write one with `make stage-budgets` or pass budgets=null."
+        )
     return parse_shares(json.loads(p.read_text()), str(p))
 
 

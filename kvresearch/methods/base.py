@@ -82,6 +82,10 @@ class Method:
         """Per-sample extras of the last ``compress`` (timings, errors); empty by default."""
         return {}
 
+    def inputs(self) -> tuple[str, ...]:
+        """The finished runs this method was built from (a surrogate's train_surrogate run); none by default."""
+        return ()
+
     def budget(self) -> str:
         """The budget in one label, for tables: ``keep=0.33``, ``tau=-4`` or ``-``."""
         return "-" if self.keep_ratio is None else f"keep={self.keep_ratio:g}"

@@ -248,6 +248,10 @@ class KVzap(Method):
         """With ``decoding: true``, the pruner stays attached while generating."""
         return self.pruner().attach(session.adapter, cache) if self.decoding else nullcontext()
 
+    def inputs(self) -> tuple[str, ...]:
+        """The train_surrogate run the surrogate was loaded from (none for one handed in directly)."""
+        return () if self.surrogate.source is None else (self.surrogate.source,)
+
     def report(self) -> dict[str, Any]:
         """Seconds spent in the surrogate during the last compression."""
         return {"scoring_s": self._scoring_s}

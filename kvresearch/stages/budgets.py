@@ -1,6 +1,6 @@
 """Stage ``budgets``: non-uniform head budgets for Attention Matching by measured sensitivity.
 
-``python -m kvresearch.stages.budgets`` (``make budgets``) writes ``budgets.json`` ({"L{layer}H{kv_head}":
+``python -m kvresearch.stages.budgets`` (``make stage-budgets``) writes ``budgets.json`` ({"L{layer}H{kv_head}":
 share}, the reference's format) and ``sensitivities.json`` into its run folder; compaction then takes
 ``method.budgets=<run folder>/budgets.json``. See ``kvresearch/budget_search.py`` for the procedure.
 """
@@ -23,6 +23,7 @@ from kvresearch.runs import RunContext, build, stage_main, write_json
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Full answers, per-head loss curves, greedy exchange; the budget file."""
     method = build(cfg.method)
+    ctx.inputs.add_all(method.inputs())
     if not isinstance(method, AttentionMatching):
         raise KVResearchError(f"budgets are searched for an Attention Matching method, got method={method.name}.")
     search = cfg.budgets

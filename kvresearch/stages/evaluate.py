@@ -8,22 +8,31 @@ evaluate.shard_index=0,...,N-1`` answers contiguous blocks of the samples, then 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings
 from kvresearch.benchmarks.loader import calibration_samples, load_samples
-from kvresearch.evaluation import calibrate, evaluate, find_reference, merge_predictions, reference_answers, summarize
+from kvresearch.evaluation import (
+    ANSWER_GROUPS,
+    SHARD_KEYS,
+    calibrate,
+    evaluate,
+    merge_predictions,
+    reference_answers,
+    summarize,
+)
 from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.runs import RunContext, build, stage_main
+from kvresearch.runs.resolve import full_cache_run
 from kvresearch.sharding import merging, part_range, part_runs
 
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Compress, answer and score every sample; compare with the full cache; summarize."""
     method = build(cfg.method)  # options are checked before the model loads
+    ctx.inputs.add_all(method.inputs())
     settings = Settings.from_config(cfg.evaluate, cfg.model, cfg.benchmark)
     recorded = {  # what the full-cache answers depend on: a reference run must match it
         "model": {k: cfg.model.get(k) for k in ("name", "dtype", "device", "attn_implementation")},
@@ -32,12 +41,16 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     evaluate_cfg = OmegaConf.to_container(cfg.evaluate, resolve=True)
     shards, index = int(cfg.evaluate.num_shards), cfg.evaluate.shard_index
     if merging(shards, index):
-        parts = part_runs(ctx.out_dir, "evaluate", shards, cfg.evaluate.parts, Path(cfg.paths.root))
+        parts = part_runs(ctx.out_dir, "evaluate", shards, cfg.evaluate.parts, ctx.inputs)
         records, first = merge_predictions(ctx.out_dir, parts, recorded)
         merged = {"method": first["method"], "evaluate": evaluate_cfg, "reference_run": first["reference_run"]}
         return {**recorded, **merged, "merged_parts": [str(p) for p in parts], **summarize(records)}
+    # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
+    drops = (SHARD_KEYS[:1], SHARD_KEYS)
     folder = (
-        find_reference(cfg.evaluate.reference_run, ctx.out_dir, Path(cfg.paths.root)) if settings.fidelity else None
+        full_cache_run("evaluate", cfg.evaluate.reference_run, ctx.out_dir, ANSWER_GROUPS, ctx.inputs, drops, True)
+        if settings.fidelity
+        else None
     )
     reference = reference_answers(folder, recorded) if folder is not None and folder != ctx.out_dir else None
     loaded = load_model(cfg.model)

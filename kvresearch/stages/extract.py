@@ -1,7 +1,7 @@
 """Stage ``extract``: KVzip+ oracle targets for surrogate training (``kvresearch/extraction.py`` does the work).
 
 ``python -m kvresearch.stages.extract [model=...] [corpus=offline_english|benchmark_prose|nemotron_sample]``
-(``make extract``).
+(``make stage-extract``).
 Re-running a finished run checks its shards and redoes any that are missing or damaged.
 
 Across jobs: ``-m extract.num_shards=N extract.shard_index=0,...,N-1`` (one run folder per part, e.g. a
@@ -11,7 +11,6 @@ SLURM array), then ``extract.num_shards=N`` alone merges the parts (named like t
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -38,7 +37,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     With ``num_shards`` > 1 and no ``shard_index``: merge the finished parts instead (no model needed).
     """
     if merging(cfg.extract.num_shards, cfg.extract.shard_index):
-        parts = part_runs(ctx.out_dir, "extract", cfg.extract.num_shards, cfg.extract.parts, Path(cfg.paths.root))
+        parts = part_runs(ctx.out_dir, "extract", cfg.extract.num_shards, cfg.extract.parts, ctx.inputs)
         return merge_parts(ctx.out_dir, parts)
     loaded = load_model(cfg.model)
     adapter, tokenizer = ModelAdapter(loaded.model), loaded.tokenizer

@@ -13,26 +13,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings, check_lengths, prompts_of
 from kvresearch.benchmarks.loader import load_samples
-from kvresearch.config_check import note_input
 from kvresearch.errors import KVResearchError
 from kvresearch.evaluation import Predictions, prompt_sha1
 from kvresearch.fidelity import RECORD, run_prompts, summarize
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.runs import RunContext, build, is_done, resolve_run, sibling_runs, stage_main
+from kvresearch.runs import RunContext, build, stage_main
+from kvresearch.runs.resolve import full_cache_run
 
 GROUPS = ("model", "benchmark", "fidelity")  # what a full-cache generation depends on
 
 
-def references(cfg: DictConfig, out_dir: Path) -> tuple[Path | None, dict[str, dict[str, Any]]]:
+def references(cfg: DictConfig, ctx: RunContext) -> tuple[Path | None, dict[str, dict[str, Any]]]:
     """The finished full-cache run and its records by prompt id (none when there is no such run)."""
-    explicit = cfg.fidelity.reference_run
-    if explicit:
-        folder: Path | None = resolve_run(explicit, "fidelity", Path(cfg.paths.root))
-    else:
-        folder = next((p for p in sibling_runs(out_dir, GROUPS, "method=full") if is_done(p)), None)
-    if folder is None or folder == out_dir:
+    folder = full_cache_run("fidelity", cfg.fidelity.reference_run, ctx.out_dir, GROUPS, ctx.inputs)
+    if folder is None or folder == ctx.out_dir.resolve():
         return None, {}
-    note_input(folder, cfg.paths.root)
     return folder, Predictions(folder / "generations.jsonl", RECORD).load()
 
 
@@ -41,7 +36,8 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     method = build(cfg.method)
     new_tokens = int(cfg.fidelity.new_tokens)
     settings = Settings(max_context=cfg.model.get("max_context"), max_new_tokens=new_tokens)
-    folder, found = references(cfg, ctx.out_dir)
+    ctx.inputs.add_all(method.inputs())
+    folder, found = references(cfg, ctx)
     loaded = load_model(cfg.model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     samples = load_samples(cfg.benchmark, loaded.tokenizer)[: int(cfg.fidelity.prompts)]

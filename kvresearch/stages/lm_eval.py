@@ -30,6 +30,7 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
 
     opts = cfg.lm_eval
     method = build(cfg.method)  # options are checked before the model loads
+    ctx.inputs.add_all(method.inputs())
     loaded = load_model(cfg.model)
     lm = KVResearchLM(
         Session(ModelAdapter(loaded.model), loaded.tokenizer),

@@ -21,7 +21,7 @@ from kvresearch.surrogate.training import Training, train_surrogate
 
 def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
     """Fit, export, and score on the extract run's test documents."""
-    data = ExtractRun(resolve_run(cfg.paths.extract, "extract", cfg.paths.root))
+    data = ExtractRun(ctx.inputs.add(resolve_run(cfg.paths.extract, "extract", cfg.paths.root)))
     recipe, trainer = (OmegaConf.to_container(c, resolve=True) for c in (cfg.surrogate, cfg.trainer))
     training = Training(recipe, trainer, int(cfg.seed), int(cfg.checkpoint_every_n_steps))  # type: ignore[arg-type]
     return train_surrogate(data, training, ctx.out_dir, ctx.tracker)

@@ -38,7 +38,7 @@ class ExtractRun:
         self.folder = Path(folder)
         if not (self.folder / "DONE").is_file():
             raise KVResearchError(
-                f"No finished extract run at {self.folder} (no DONE). Run `make extract` first, or point "
+                f"No finished extract run at {self.folder} (no DONE). Run `make stage-extract` first, or point "
                 "paths.extract at a finished extract run (folder or run id)."
             )
         fix = "Re-run extract on that run (no force needed): it rebuilds what is damaged."
@@ -100,7 +100,7 @@ class ExtractRun:
                 raise KVResearchError(
                     f"The corpus that {self.folder / 'config.yaml'} builds today does not hold the manifest's document "
                     f"{i} ({entry['doc_id']}; rebuilt: {doc.doc_id if doc else 'none'}): the packaged corpus changed "
-                    "since this extract. Context inputs need a fresh extract (`make extract ARGS='force=true'`)."
+                    "since this extract. Context inputs need a fresh extract (`make stage-extract ARGS='force=true'`)."
                 )
             if entry["status"] == "done":
                 out[i] = np.asarray(tokenizer(doc.text, add_special_tokens=False).input_ids, np.int64)

@@ -1,6 +1,7 @@
 """Attention Matching against eviction: log-perplexity of the full-context answers against compression ratio.
 
-    .venv/bin/python scripts/am_curves.py --benchmark quality [--match <settings>] [--root outputs] [--out docs/results]
+    python -m kvresearch.reports.am_curves --benchmark quality [--match <settings>] [--root outputs]
+        [--out docs/results]
 
 Reads the finished evaluate runs of ``--benchmark`` (one method x keep ratio each, all with the same
 other overrides as their full-cache run) and writes ``<out>/am_<benchmark>_table.md`` (per method and
@@ -83,6 +84,7 @@ def claim_rows(data: dict[str, list[dict]], max_keep: float) -> list[str]:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--benchmark", default="quality")
     parser.add_argument("--root", default=str(outputs_root()))
@@ -94,7 +96,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [
-        f"# Attention Matching against eviction on {args.benchmark} (scripts/am_curves.py)",
+        f"# Attention Matching against eviction on {args.benchmark} (python -m kvresearch.reports.am_curves)",
         "",
         "| method | keep | answers | compression (measured) | NLL of full answers (95% CI) | agreement with full "
         "| score |",

@@ -12,7 +12,7 @@ subprocess so that its peak resident memory (ru_maxrss) is its own:
 
 Each scores every context token of every layer. Writes ``outputs/bench/extract.json``.
 
-    .venv/bin/python scripts/bench_extract.py [--lengths 1000 2000 4000] [--methods ours ours_unordered eager]
+    python -m kvresearch.bench.extract [--lengths 1000 2000 4000] [--methods ours ours_unordered eager]
         [--threads 2]
 """
 
@@ -78,6 +78,7 @@ def _unordered(kvzip_scores):
 
 
 def child(method: str, n_tokens: int, threads: int) -> dict:
+    """One measurement in this process (the parent runs each in a fresh one, for a clean peak memory)."""
     torch.set_num_threads(threads)
     from hydra import compose, initialize_config_dir
 
@@ -117,6 +118,7 @@ def child(method: str, n_tokens: int, threads: int) -> dict:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000])
     methods = ["ours", "ours_unordered", "eager"]

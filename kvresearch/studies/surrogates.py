@@ -1,6 +1,6 @@
 """The surrogate study behind the KVzap paper's R^2 figure, on one extract run: which data and shape generalise.
 
-    .venv/bin/python scripts/surrogate_study.py [--extract RUN] [--fp32-extract RUN]
+    python -m kvresearch.studies.surrogates [--extract RUN] [--fp32-extract RUN]
         [--parts loso,curve,mix,width,dtype (and recipe)] [--out docs/results] [--name surrogate_study]
         [--set OVERRIDE ...] [--finished-only]
 
@@ -14,7 +14,7 @@ measured on the test documents: pooled per layer (mean over layers of the R^2 of
 * ``loso``: leave one source out: train on every document of the other sources, test on all of that source;
 * ``curve``: the learning curve with essays left out: train on the first N documents of the other sources, N
   doubling from 15 (:func:`curve_sizes`) up to all of them (that last point is the essays' ``loso`` point);
-  on the extract of every document (``make surrogate-curve``) it runs up to all the packaged corpora give;
+  on the extract of every document (``make experiment-surrogate_curve``) it runs up to all the packaged corpora give;
 * ``mix``: the training mix at a fixed size (60 documents): essays, wiki, bible or a third of each, tested on
   the essays' test split (the essays' train split is in-domain only for the essays-only point);
 * ``width``: MLP hidden width (hidden/16 .. hidden/2) with essays left out;
@@ -42,9 +42,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from kvresearch.experiments import run_folder
 from kvresearch.runs import (
-    folder_changes,
     outputs_root,
     read_json,
     repo_root,
@@ -53,6 +51,8 @@ from kvresearch.runs import (
     write_atomic,
     write_json,
 )
+from kvresearch.runs.changes import folder_changes
+from kvresearch.runs.naming import run_folder
 
 # The study's extract: 60 training and 8 test documents per source, 500 random positions each (what its tables
 # were measured on). The default extract, which the study chose, takes every position of half the training
@@ -107,7 +107,7 @@ def view(source: Path, tag: str, train: set[str], test: set[str]) -> str:
     The folder is named by the source run's id and the tag, so views of two extracts never share a folder (and
     a train_surrogate run on one is never taken for a run on the other). Its ``DONE`` names the source's
     ``DONE`` and the documents chosen, so a train_surrogate run on it sees a redone source or another choice
-    as an input redone since (kvresearch/config_check.py).
+    as an input redone since (kvresearch/runs/changes.py).
     """
     folder = outputs_root() / "extract" / f"study-{run_id(source)}-{tag}"
     manifest = read_json(source / "manifest.json", "Re-run that extract.")
@@ -241,7 +241,8 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
             cells.append(f"{r['train_s']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     write_atomic(
-        out / f"{name}.md", f"# Surrogate study: {name} (scripts/surrogate_study.py)\n\n" + "\n".join(lines) + "\n"
+        out / f"{name}.md",
+        f"# Surrogate study: {name} (python -m kvresearch.studies.surrogates)\n\n" + "\n".join(lines) + "\n",
     )
     if not any(r["part"] == "curve" for r in results):
         return
@@ -267,10 +268,12 @@ def write(results: list[dict[str, Any]], out: Path, name: str) -> None:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extract", default=None, help="an extract run; default: the study's (STUDY_EXTRACT)")
     parser.add_argument("--fp32-extract", default=None, help="an extract run with extract.hidden_dtype=float32")
-    parser.add_argument("--parts", default="loso,curve,mix,width,dtype", help="also: recipe (make surrogate-recipe)")
+    parser.add_argument("--parts", default="loso,curve,mix,width,dtype",
+                        help="also: recipe (with --name surrogate_recipe)")  # fmt: skip
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="surrogate_study", help="file names: <out>/<name>.md, <name>_curve.png")
     parser.add_argument("--set", nargs="*", default=[], help="overrides for every run: surrogate.weight_decay=0.01")

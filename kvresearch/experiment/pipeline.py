@@ -1,6 +1,6 @@
 """Submit the whole pipeline of ``make reproduce`` as cluster jobs with dependencies: one command.
 
-    .venv/bin/python scripts/submit_pipeline.py [--cluster slurm|local] [--shards 8] [--partition gpu]
+    python -m kvresearch.experiment.pipeline [--cluster slurm|local] [--shards 8] [--partition gpu]
         [--extract-args "..."] [--train-surrogate-args "..."] [--evaluate-args "..."]
         [--dry-run] [-- model=... overrides for extract and evaluate, the stages that load the model]
 
@@ -13,8 +13,8 @@ Jobs, each a stage run with its own run folder (``outputs/<stage>/<overrides>``,
    cells: the surrogates are trained for one model) as ``make reproduce`` runs them: the full cache first,
    then one job per method and budget (they reuse its answers); overrides given after ``--`` replace the
    cells' own (``model=...``), ``--evaluate-args`` are added to every cell;
-5. the tables of every evaluate run (``scripts/make_tables.py``, after every evaluation; the KVzap runs' names
-   hold the surrogates' run ids, so they are not the experiment's cells that ``make table-<name>`` reads).
+5. the tables of every evaluate run (``python -m kvresearch.reports.tables``, after every evaluation; the KVzap
+   runs' names hold the surrogates' run ids, so they are not the experiment's cells that ``make table-<name>`` reads).
 
 Hand-offs are run ids computed before submission (``kvresearch.runs.run_id`` of the folder each stage
 will write), so no job looks for another's output by any other route. On SLURM every job is submitted
@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvresearch import experiments
+from kvresearch import experiment as experiments
 from kvresearch.runs import outputs_root, repo_root, run_id, run_name
 
 STAGES = ("extract", "train_surrogate", "evaluate")
@@ -118,6 +118,7 @@ def submit(jobs: list[Job], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", choices=["slurm", "local"], default="slurm")
     parser.add_argument("--shards", type=int, default=8, help="extract parts (jobs)")

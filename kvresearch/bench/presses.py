@@ -13,7 +13,7 @@ ragged cache knows what it holds. For each ``--tokens`` length of the packaged e
 and the number of (layer, KV head) whose kept positions are the same both ways. Writes
 ``outputs/bench/presses.json``.
 
-    .venv/bin/python scripts/bench_presses.py [--tokens 2048 4096] [--presses snapkv] [--keep 0.5] [--repeats 2]
+    python -m kvresearch.bench.presses [--tokens 2048 4096] [--presses snapkv] [--keep 0.5] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def measure(session: Session, ids: torch.Tensor, press: Any, repeats: int) -> di
 
 @torch.no_grad()
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--presses", nargs="+", default=["snapkv"])

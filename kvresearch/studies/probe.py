@@ -1,6 +1,6 @@
 """What limits the KVzap surrogate on a left-out source: ridge fits on richer inputs than the hidden state.
 
-    .venv/bin/python scripts/surrogate_probe.py [--extract RUN (default: the surrogate study's)] [--left-out essays]
+    python -m kvresearch.studies.probe [--extract RUN (default: the surrogate study's)] [--left-out essays]
         [--layers 0,1,...] [--inputs h,value_norms,neighbours,position,counts,rates,length] [--alphas 1,100,...]
         [--fit ridge|mlp] [--mlp-layers 1] [--out outputs/surrogate_probe.json]
 
@@ -49,13 +49,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from sklearn.metrics import r2_score
-from surrogate_study import study_extract  # scripts/
 
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.ops.ridge import RidgeAccumulator
 from kvresearch.ops.scores import value_output_norms
 from kvresearch.runs import outputs_root, repo_root, resolve_run, write_json
+from kvresearch.studies.surrogates import study_extract
 from kvresearch.surrogate.context import count_rates, raw_counts
 from kvresearch.surrogate.data import ExtractRun
 from kvresearch.surrogate.lightning import SurrogateModule
@@ -168,6 +168,7 @@ class Factored(torch.nn.Module):
         self.mlp, self.hidden, self.kv_heads = mlp, hidden, kv_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Scores from the hidden state and the log value norms."""
         h, log_norms = x[..., : self.hidden], x[..., self.hidden :]
         terms = (self.mlp(h) + log_norms).unflatten(-1, (self.kv_heads, -1))  # (rows, layers, Hkv, G)
         return terms.logsumexp(-1)
@@ -227,6 +228,7 @@ def mlp_r2(
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extract", default=None, help="an extract run; default: the surrogate study's")
     parser.add_argument("--left-out", default="essays")

@@ -3,11 +3,13 @@
 A run folder is named by its command-line overrides only, so a change of a default in ``conf/`` (or of a
 knob added since) gives the same folder to a different computation, and so does a run it read (a surrogate,
 a full-cache run) redone since under the same name. :func:`changes` lists every setting whose stored value
-differs from the current one; :func:`inputs_changed` every run read (:func:`note_input`) whose ``DONE`` stamp
+differs from the current one; :func:`inputs_changed` every run read (``provenance.Inputs``) whose ``DONE`` stamp
 changed; :func:`run_changes` reads a run folder for both, and :func:`check_run` refuses on any. Settings that
 do not change what a run computes (:data:`BLIND`: where it lives, how it logs, whether it is forced) are
 left out, and absolute paths under the outputs root or the checkout compare relative to them, so a moved
-checkout or outputs folder is not a change; nor is a hand-off (``paths.*``) added since the run was made.
+checkout or outputs folder is not a change; nor is a hand-off (``paths.*``) added since the run was made, nor
+a surrogate hand-off (``paths.surrogate_*``): a method reads it through ``method.surrogate.run``, which is
+compared, so a run that never loaded a surrogate is not changed by renaming one.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kvresearch.errors import KVResearchError
+from kvresearch.runs.compose import today
+from kvresearch.runs.naming import repo_root
+from kvresearch.runs.records import done_stamp
 
 BLIND = ("force", "on_config_change", "logger", "paths.root", "out_dir", "run_name")
 ON_CHANGE = ("refuse", "keep")  # a changed config stops the run, or the run is kept / resumed as it is
 ABSENT = "<absent>"
-_INPUTS: dict[str, str] = {}  # the finished runs the running stage reads: folder (relative to the root) -> DONE
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -40,8 +44,11 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+READ_ELSEWHERE = "paths.surrogate_"  # hand-offs a run reads only through a key that is compared (method.surrogate)
+
+
 def _blind(key: str) -> bool:
-    return any(key == b or key.startswith(b + ".") for b in BLIND)
+    return key.startswith(READ_ELSEWHERE) or any(key == b or key.startswith(b + ".") for b in BLIND)
 
 
 def _relative(value: Any, roots: Mapping[str, str]) -> Any:
@@ -132,46 +139,8 @@ def stored_changes(
     return changes(stored, now, stored_roots, current_roots) + inputs_changed(inputs, Path(root), unknown_ok)
 
 
-def done_stamp(folder: Path) -> str | None:
-    """The ``DONE`` stamp of the finished run ``folder``, else of its run record, else None.
-
-    A run record (:mod:`kvresearch.records`) stands for a run that finished on another machine.
-    """
-    from kvresearch import records  # records builds on this module
-
-    try:
-        return (Path(folder) / "DONE").read_text(encoding="utf-8").strip()
-    except OSError:
-        record = records.read(records.path_of(records.records_root(), Path(folder)))
-        return None if record is None else str(record["done"])
-
-
-def note_input(folder: Path, root: str | Path) -> Path:
-    """Record that the running stage reads the finished run ``folder`` (under ``root``, the outputs root).
-
-    The runner keeps the record in the run's metrics (``inputs``: each folder with the stamp of its ``DONE``,
-    or of its run record), so a later run can tell when one of them was redone since (:func:`inputs_changed`).
-    Returns ``folder``.
-    """
-    folder = Path(folder).resolve()
-    base = Path(root).resolve()
-    key = str(folder.relative_to(base)) if folder.is_relative_to(base) else str(folder)
-    stamp = done_stamp(folder)
-    if stamp is None:
-        raise KVResearchError(f"{folder} is not a finished run (no DONE, no run record): run it first.")
-    _INPUTS[key] = stamp
-    return folder
-
-
-def take_inputs() -> dict[str, str]:
-    """The runs noted since the last call (folder -> ``DONE`` stamp), sorted; the record starts empty again."""
-    taken = dict(sorted(_INPUTS.items()))
-    _INPUTS.clear()
-    return taken
-
-
 def stored_inputs(out_dir: Path) -> dict[str, str]:
-    """The runs that ``out_dir`` read (its metrics' ``inputs``, :func:`note_input`).
+    """The runs that ``out_dir`` read (its metrics' ``inputs``, ``provenance.Inputs``).
 
     Empty while the run is unfinished or its metrics are damaged: the run itself redoes what it must.
     """
@@ -223,3 +192,25 @@ def check_run(out_dir: Path, cfg: DictConfig, checkout: Path) -> None:
         "the same folder. Redo the run with force=true (it empties the folder), or keep it as it is with "
         "on_config_change=keep (a finished run is reused, an unfinished one resumes under the new settings)."
     )
+
+
+def folder_changes(folder: Path, stage: str, overrides: list[str]) -> list[str]:
+    """What differs between a run folder's stored config and the one ``overrides`` compose today ([] if none).
+
+    For runners that skip finished runs without starting their stage (:mod:`kvresearch.experiment`).
+    """
+    if not (Path(folder) / "config.yaml").is_file():
+        return []
+    return run_changes(folder, today(stage, overrides), repo_root()) or []
+
+
+def record_changes(record: dict[str, Any], stage: str, overrides: list[str]) -> list[str]:
+    """What differs between a run record's config and the one ``overrides`` compose today (``key: stored -> now``).
+
+    Also each run it read that was redone since, found as a run folder here or as a record (one found nowhere,
+    such as a surrogate trained on the machine that ran it, is not checked).
+    """
+    stored_checkout = str(record["versions"].get("checkout") or repo_root())
+    inputs = record["metrics"].get("inputs") or {}
+    now = today(stage, overrides)
+    return stored_changes(record["config"], stored_checkout, inputs, now, repo_root(), unknown_ok=True)

@@ -7,7 +7,7 @@ on-policy the pass less the compaction done inside it), E and targets (block), k
 values. Writes
 ``outputs/bench/am_cost.json``.
 
-    .venv/bin/python scripts/bench_am_cost.py [--tokens 2048 8192] [--variants am_omp am_omp_onpolicy]
+    python -m kvresearch.bench.am_cost [--tokens 2048 8192] [--variants am_omp am_omp_onpolicy]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def variant(name: str, keep: float, overrides: list[str]) -> AttentionMatching:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--variants", nargs="+", default=["am_highest", "am_omp", "am_omp_onpolicy"])

@@ -19,7 +19,7 @@ per step, NNLS refit every step, drop below beta -7 and refill), AM-OMP-fast (4 
 2nd step), against top-attention keys (mean weight) with beta 0 and the original values (the reference's
 ``baseline``, KVzip/H2O-like). Writes ``outputs/bench/am.json``.
 
-    .venv/bin/python scripts/bench_am.py [--tokens 2048] [--ratios 0.1 0.05 0.02] [--layers 0 3 ...] [--variants am_omp]
+    python -m kvresearch.bench.am [--tokens 2048] [--ratios 0.1 0.05 0.02] [--layers 0 3 ...] [--variants am_omp]
 """
 
 from __future__ import annotations
@@ -179,6 +179,7 @@ def end_to_end(
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048, help="context tokens (essay)")
     parser.add_argument("--continuation", type=int, default=400, help="tokens of the held-out continuation")

@@ -1,6 +1,6 @@
 """The cost of each benchmark from finished evaluate runs: tokens and seconds per context and per answer.
 
-    .venv/bin/python scripts/benchmark_costs.py [--root outputs] [--method full]
+    python -m kvresearch.reports.costs [--root outputs] [--method full]
 
 Prints a Markdown table, one row per run of ``--method``: benchmark, tasks, contexts and answers, prompt
 tokens per answer (mean, max), compression seconds per context, decoding seconds per answer, and wall
@@ -18,6 +18,7 @@ from kvresearch.runs import outputs_root
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--method", default="full")

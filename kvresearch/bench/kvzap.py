@@ -8,7 +8,7 @@ the full cache's; (e) kvpress with the same surrogate and threshold: same evicte
 it keeps. Thresholds are calibrated per surrogate on the first sample to keep about ``--keep`` of the
 entries. Writes ``outputs/bench/kvzap.json``.
 
-    .venv/bin/python scripts/bench_kvzap.py [--tokens 4096] [--keep 0.33] [--samples 3] [paths.surrogate_mlp=<run>]
+    python -m kvresearch.bench.kvzap [--tokens 4096] [--keep 0.33] [--samples 3] [paths.surrogate_mlp=<run>]
 
 The surrogates are those of the train_surrogate runs named in ``conf/paths/`` (override them as above).
 """
@@ -40,6 +40,7 @@ class Timed:
         self.method, self.chunk, self.peak = method, chunk, 0
 
     def compress(self, session, prompt):
+        """The cache after the prefill with pruning attached."""
         cache = session.new_cache()
         ids = prompt.context_ids
         pruner = self.method if isinstance(self.method, ThresholdPruner) else None
@@ -77,6 +78,7 @@ def calibrate(session, surrogate: Surrogate, prompt, keep: float, window: int) -
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--keep", type=float, default=0.33)
@@ -209,6 +211,7 @@ class KVzapOnly:
         self.pruner = ThresholdPruner(surrogate, tau, window)
 
     def run(self, session, prompt):
+        """One pruned prefill; the cache."""
         cache = session.new_cache()
         with ragged_attention_enabled(session.model), torch.no_grad(), self.pruner.attach(session.adapter, cache):
             session.model(input_ids=prompt.context_ids, past_key_values=cache, use_cache=True)

@@ -11,7 +11,7 @@ built from the model config (its sliding layers keep the last ``window - 1`` tok
 prefill, and its greedy answer against ours from the compacted full cache. Writes
 ``outputs/bench/windows.json``.
 
-    .venv/bin/python scripts/bench_windows.py [--tokens 2048] [--keep 0.1] [--methods full kvzip_plus snapkv]
+    python -m kvresearch.bench.windows [--tokens 2048] [--keep 0.1] [--methods full kvzip_plus snapkv]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def transformers_bytes(session: Session, ids: torch.Tensor) -> tuple[int, Dynami
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3_270m")
     parser.add_argument("--tokens", type=int, default=2048)

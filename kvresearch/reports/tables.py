@@ -1,6 +1,6 @@
 """Every finished evaluate run under outputs/ into one Markdown table and one plot per benchmark.
 
-    .venv/bin/python scripts/make_tables.py [--root outputs] [--out docs/results]
+    python -m kvresearch.reports.tables [--root outputs] [--out docs/results]
 
 Writes ``<out>/<benchmark>_table.md`` (method x setting x task: answers, measured prune ratio, score with
 its bootstrap 95% interval, agreement with the full cache, NLL of the full-cache answer) and
@@ -150,13 +150,14 @@ def fidelity(root: Path, out: Path) -> None:
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--out", default="docs/results")
     args = parser.parse_args()
     runs = load(Path(args.root))
     if not runs and not list(Path(args.root).glob("fidelity/*/DONE")):
-        raise SystemExit(f"no finished evaluate or fidelity run under {args.root}; run make evaluate first")
+        raise SystemExit(f"no finished evaluate or fidelity run under {args.root}; run make stage-evaluate first")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fidelity(Path(args.root), out)

@@ -1,6 +1,6 @@
 """Held-out fit of trained surrogates on sources they never saw: news, science papers and fiction.
 
-    .venv/bin/python scripts/surrogate_transfer.py [--extract corpus=benchmark_prose]
+    python -m kvresearch.studies.transfer [--extract corpus=benchmark_prose]
         [--surrogate NAME=RUN ...] [--out docs/results] [--name surrogate_transfer]
 
 ``make train-surrogate`` trains on the packaged prose (essays, Wikipedia summaries, the Bible) and tests on the
@@ -82,6 +82,7 @@ def table(results: dict[str, dict[str, dict[str, float]]], extract: str, trained
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     try:
         run_transfer()
     except KVResearchError as error:

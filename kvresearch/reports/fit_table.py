@@ -1,6 +1,6 @@
 """Print the fit table of every finished train_surrogate run (Markdown).
 
-.venv/bin/python scripts/surrogate_table.py [--root outputs] [--per-layer]
+python -m kvresearch.reports.fit_table [--root outputs] [--per-layer]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kvresearch.runs import outputs_root
 
 
 def main() -> None:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(outputs_root()))
     parser.add_argument("--per-layer", action="store_true", help="add the per-layer R^2 table")

@@ -1,0 +1,1 @@
+"""Tables and summaries built from finished run folders (``python -m kvresearch.reports.<name>``)."""

@@ -1,0 +1,1 @@
+"""Studies of the surrogate that are not stages: leave-one-source-out fits, input probes, transfer."""
