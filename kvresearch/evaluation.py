@@ -19,7 +19,6 @@ mean negative log-likelihood of that answer under the compressed cache (the Atte
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -128,13 +127,17 @@ def reference_answers(folder: Path, expect: Mapping[str, Any]) -> dict[str, dict
     return Predictions(folder / "predictions.jsonl").load()
 
 
-def calibrate(session: Session, method: Method, held_out: list[Sample], settings: Settings) -> dict[str, Any]:
-    """Calibrate a method's threshold on ``held_out`` (the first question of each); what the run records."""
+def prepare(session: Session, method: Method, held_out: list[Sample], settings: Settings) -> dict[str, Any]:
+    """Let ``method`` prepare on ``held_out`` (the first question of each); what the run records.
+
+    KVzap calibrates its threshold to its target prune ratio there.
+    """
     prompts = [prompts_of(session.tokenizer, s, settings)[0] for s in held_out]
-    result = method.calibrate(session, prompts)  # type: ignore[attr-defined]
-    print(f"[kvresearch] {method.name}: threshold {result.threshold:.4f} prunes {result.achieved:.3f} of "
-          f"{result.contexts} held-out contexts (target {result.target})", flush=True)  # fmt: skip
-    return {"held_out": [s.key for s in held_out], **dataclasses.asdict(result)}
+    result = method.prepare(session, prompts)
+    if "threshold" in result:
+        print(f"[kvresearch] {method.name}: threshold {result['threshold']:.4f} prunes {result['achieved']:.3f} of "
+              f"{result['contexts']} held-out contexts (target {result['target']})", flush=True)  # fmt: skip
+    return {"held_out": [s.key for s in held_out], **result}
 
 
 def evaluate(

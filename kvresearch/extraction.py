@@ -151,7 +151,15 @@ def write_manifest(
     shards = finished_shards(out_dir / "shards")
     tally = Counter(d["status"] for d in documents)
     if tally["done"] == 0:
-        raise KVResearchError(f"No document was extracted ({dict(tally)}); check the corpus config.")
+        why = {
+            "skipped_long": "too long to fit model.max_context once repeated (raise model.max_context, or cut "
+            "the documents shorter with corpus.max_tokens)",
+            "skipped_empty": "empty after tokenization (check the corpus's text field)",
+            "missing": "not reached (the run stopped, or another part holds them)",
+            OTHER_JOB: "extracted by another part (extract.shard_index)",
+        }
+        reasons = "; ".join(f"{n} {why.get(k, k)}" for k, n in sorted(tally.items()))
+        raise KVResearchError(f"No document was extracted. Of {len(documents)} documents: {reasons}.")
     rows = sum(m["rows"] for m in shards)
     manifest = {
         "format": FORMAT,

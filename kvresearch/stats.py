@@ -3,7 +3,8 @@
 Percentile bootstrap, 95% by default; the same seed gives the same interval. Values are plain sequences of
 per-answer scores. Answers that share a context (the questions of one QuALITY article, the samples of one
 AIME problem) are not independent: give their ``clusters`` (one label per value) and whole contexts are
-resampled with replacement (a cluster bootstrap), the mean being the pooled mean of the drawn answers.
+resampled with replacement (a cluster bootstrap), the mean being the pooled mean of the drawn answers;
+with fewer than ``MIN_CONTEXTS`` contexts there is no interval (two articles do not make a distribution).
 Without clusters every answer is its own cluster (the plain bootstrap).
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MIN_CONTEXTS = 5  # fewer contexts than this (some holding several answers): no interval, the mean alone
 QUESTION_OF_SAMPLE = re.compile(r"(?P<sample>.+#\d+)/\d+")  # record ids: <group>#<index>[/<question>]
 
 
@@ -66,8 +68,8 @@ def bootstrap_mean(
         index = np.fromiter((labels[c] for c in clusters), dtype=np.int64, count=len(x))
         sums = np.bincount(index, weights=x).astype(np.float64)
         counts = np.bincount(index, weights=np.ones_like(x)).astype(np.float64)
-    if len(sums) == 1:
-        return Interval(float(x.mean()), float("nan"), float("nan"), len(x))
+    if len(sums) == 1 or (len(sums) < len(x) and len(sums) < MIN_CONTEXTS):
+        return Interval(float(x.mean()), float("nan"), float("nan"), len(x))  # too few contexts to resample
     rng = np.random.default_rng(seed)
     drawn = rng.integers(0, len(sums), size=(resamples, len(sums)))
     means = sums[drawn].sum(axis=1) / counts[drawn].sum(axis=1)

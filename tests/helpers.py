@@ -98,6 +98,17 @@ def surrogate_run(folder: Path, layers: int, hidden: int, kv_heads: int, kind: s
     return surrogate
 
 
+def budgets_run(folder: Path, layers: int, kv_heads: int) -> Path:
+    """A finished budgets run folder with uneven per-head shares (the first head of each layer twice the others')."""
+    weights = {f"L{i}H{h}": 2.0 if h == 0 else 1.0 for i in range(layers) for h in range(kv_heads)}
+    total = sum(weights.values())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "budgets.json").write_text(json.dumps({k: v / total for k, v in weights.items()}))
+    (folder / "metrics.json").write_text(json.dumps({"fit": "planted"}))
+    (folder / "DONE").write_text("planted\n")
+    return folder
+
+
 def synthetic_extract(
     folder: Path,
     teacher: Callable[[torch.Tensor], torch.Tensor],

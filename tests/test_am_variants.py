@@ -213,3 +213,9 @@ def test_budgets_stage_writes_a_file_that_compaction_loads(tmp_path, tiny, sessi
     assert abs(sum(metrics["ratios"].values()) - 0.6) < 1e-9  # the start ratio's total, redistributed
     prompt = build_prompt(tiny.tokenizer, TEXT, "How many?")
     AttentionMatching(keep_ratio=0.2, budgets=str(folder / "budgets.json")).compress(session, prompt)
+    # The hand-off: am_*_budgets read the run of the step head_budgets:<model name>, which is this run.
+    method = build(method_config("am_omp_budgets", paths={"root": str(tmp_path)}))
+    assert method.shares == shares and method.inputs() == (str(folder.resolve()),)
+    method.compress(session, prompt)
+    with pytest.raises(KVResearchError, match="make experiment-head_budgets"):
+        build(method_config("am_omp_budgets", paths={"root": str(tmp_path / "elsewhere")}))

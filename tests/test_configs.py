@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from kvresearch.models import ModelAdapter, Session
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import CONF_DIR, build
-from tests.helpers import compose_stage, method_config, surrogate_run, synthetic_extract
+from tests.helpers import budgets_run, compose_stage, method_config, surrogate_run, synthetic_extract
 
 STAGES = ["needle", "extract", "train_surrogate", "evaluate", "fidelity", "lm_eval"]
 METHODS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml") if not p.stem.startswith("_"))
@@ -53,10 +53,11 @@ def runs(tiny, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         surrogate_run(root / kind, *shape, kind)
     context = {"context": ("value_norms", "position", "counts"), "q_heads": adapter.num_heads, "mlp_layers": 2}
     surrogate_run(root / "mlp_context", *shape, **context)
-    return {
+    found = {
         name: str(root / name.removeprefix("surrogate_"))
         for name in ("surrogate_mlp", "surrogate_linear", "surrogate_mlp_context")
     }
+    return {**found, "budgets": str(budgets_run(root / "budgets", adapter.num_layers, adapter.num_kv_heads))}
 
 
 @pytest.mark.parametrize("name", METHODS)

@@ -134,7 +134,7 @@ def test_stored_hidden_states_come_back_rounded_to_their_dtype_only(dtype: str) 
     assert torch.equal(back.float(), h) == (dtype == "float32")  # fp32 keeps every bit
 
 
-def test_damaged_shards_are_detected(tmp_path: Path) -> None:
+def test_damaged_shards_are_detected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_docs(tmp_path, 3, rows_per_shard=5)
     (tmp_path / ".tmp-shard-00009-123").mkdir()  # a killed writer's leftovers are cleaned up
     finished_shards(tmp_path)
@@ -144,6 +144,8 @@ def test_damaged_shards_are_detected(tmp_path: Path) -> None:
     with pytest.raises(KVResearchError, match=r"shard-00001: hidden.npy has .* bytes.*Re-run extract"):
         finished_shards(tmp_path)
     assert [m["name"] for m in finished_shards(tmp_path, repair=True)] == ["shard-00000", "shard-00002"]
+    said = capsys.readouterr().out
+    assert "removing a damaged shard, its documents are redone: Shard" in said and "it was cut short" in said
     assert not (tmp_path / "shard-00001").exists()  # removed, so that its documents are redone
     (tmp_path / "shard-00002" / "shard.json").unlink()
     with pytest.raises(KVResearchError, match=r"shard-00002 has no shard\.json"):

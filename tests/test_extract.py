@@ -126,3 +126,14 @@ def test_re_running_a_finished_extract_repairs_missing_and_damaged_shards_identi
     assert (out / "manifest.json").read_text() == manifest
     verify(out)
     assert execute(cfg, run, verify)["extracted_this_run"] == 2  # intact now: skipped (its metrics returned)
+
+
+def test_a_corpus_where_nothing_survives_says_why_each_document_was_left(tmp_path: Path) -> None:
+    from kvresearch.extraction import write_manifest
+
+    documents = [{"status": "skipped_long"}, {"status": "skipped_long"}, {"status": "skipped_empty"}]
+    with pytest.raises(KVResearchError) as caught:
+        write_manifest(tmp_path, documents, {}, "tiny_random", {}, {})
+    message = str(caught.value)
+    assert "Of 3 documents: 1 empty after tokenization" in message
+    assert "2 too long to fit model.max_context once repeated" in message and "corpus.max_tokens" in message

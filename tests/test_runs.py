@@ -332,3 +332,14 @@ def test_a_run_id_hydra_read_as_a_number_is_refused_with_the_fix() -> None:
     for number in (float("inf"), 1234567):
         with pytest.raises(KVResearchError, match="read as a number: quote the run id"):
             resolve_run(number, "train_surrogate")  # type: ignore[arg-type]
+
+
+def test_an_unquoted_run_folder_on_the_command_line_is_refused_with_the_override_and_the_fix() -> None:
+    from kvresearch.runs.runner import unparsable_override
+
+    problem = unparsable_override(["model=tiny_random", "paths.extract=extract/corpus.n_train_per_source=75"])
+    assert problem is not None and "'paths.extract=extract/corpus.n_train_per_source=75'" in problem
+    assert """'paths.extract="extract/corpus.n_train_per_source=75"'""" in problem and "experiment step" in problem
+    quoted = ['paths.extract="extract/corpus.n_train_per_source=75"', "paths.surrogate_mlp=surrogate_context:mlp"]
+    assert unparsable_override([*quoted, "-m", "method=full,snapkv", "+x=[1,2]"]) is None
+    assert "brackets" in (unparsable_override(["benchmark.tasks=[a"]) or "")

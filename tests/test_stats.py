@@ -67,6 +67,8 @@ def test_a_cluster_bootstrap_resamples_whole_contexts_and_singletons_give_the_pl
     assert clustered.low == pytest.approx(np.quantile(means, 0.025))
     assert clustered.high == pytest.approx(np.quantile(means, 0.975))
     assert np.isnan(bootstrap_mean(values[:5], clusters=[0] * 5).low)  # one context: no interval
+    two = bootstrap_mean(values[:10], clusters=[i // 5 for i in range(10)])
+    assert np.isnan(two.low) and two.mean == pytest.approx(values[:10].mean())  # two articles: the mean alone
 
 
 def test_answers_are_paired_by_id_whatever_their_order() -> None:

@@ -1,17 +1,48 @@
 """The per-head budget file: ``{"L{layer}H{kv_head}": share}``, shares summing to 1 (the reference code's format).
 
 At keep ratio r over a span of n tokens with H compacted heads in total, head (l, h) keeps
-``int(share * r * n * H)`` entries (``ops/budgets.sizes_from_shares``).
+``int(share * r * n * H)`` entries (``ops/budgets.sizes_from_shares``). The ``budgets`` stage writes the file
+into its run folder; the ``am_*_budgets`` methods read it from that run (:func:`from_run`), named by
+``paths.budgets`` (the step ``head_budgets:<model name>``), or from any file given as ``method.budgets``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvresearch.errors import KVResearchError
 from kvresearch.ops.budgets import HeadKey
+from kvresearch.runs.resolve import resolve_run
+
+FILE = "budgets.json"
+
+
+@dataclass(frozen=True)
+class BudgetFile:
+    """A budget file and the budgets run that wrote it (None for a file given by hand)."""
+
+    path: str
+    run: str | None = None
+
+
+def from_run(run: str, root: str | None = None) -> BudgetFile:
+    """The budget file of a finished ``budgets`` run (a folder, an experiment step or a run id).
+
+    Raises:
+        KVResearchError: no such finished run; the message says how to make one.
+    """
+    try:
+        folder = resolve_run(run, "budgets", root)
+    except KVResearchError as error:
+        raise KVResearchError(
+            f"{error} The am_*_budgets methods read the per-head budgets a budgets run measured: make them with "
+            "`make experiment-head_budgets` (one step per model), or give a file as method.budgets=<path>."
+        ) from error
+    return BudgetFile(str(folder / FILE), str(folder))
+
 
 _KEY = re.compile(r"^L(\d+)H(\d+)$")
 

@@ -144,7 +144,7 @@ def check_shard(path: Path, full: bool = False) -> dict[str, Any]:
             raise KVResearchError(f"Shard {path}: {fname} is missing. {advice}")
         if file.stat().st_size != spec["bytes"]:
             raise KVResearchError(
-                f"Shard {path}: {fname} has {file.stat().st_size} bytes, expected {spec['bytes']} (truncated?). "
+                f"Shard {path}: {fname} has {file.stat().st_size} bytes, expected {spec['bytes']}: it was cut short. "
                 f"{advice}"
             )
         if full and _sha1(file) != spec["sha1"]:
@@ -169,7 +169,8 @@ def finished_shards(root: Path, full: bool = False, repair: bool = False) -> lis
         except KVResearchError as error:
             if not repair:
                 raise
-            print(f"[extract] {str(error).split(' Re-run')[0]}: removing it and redoing its documents", flush=True)
+            problem = str(error).split(" Re-run")[0].split(" Delete")[0].rstrip(". ")
+            print(f"[extract] removing a damaged shard, its documents are redone: {problem}", flush=True)
             shutil.rmtree(path)
     return metas
 

@@ -1,6 +1,7 @@
 """``python -m kvresearch.experiment list|run|table``: an experiment's steps and missing cells, its table.
 
     python -m kvresearch.experiment list
+    python -m kvresearch.experiment index          # docs/results/README.md
     python -m kvresearch.experiment run kvzap_ruler [--variant twin|hub] [--rows R,..] [--models M,..] [--print]
         [--launcher slurm] [--on-config-change refuse|redo|keep] [--skip-recorded] [-- ARGS]
     python -m kvresearch.experiment table kvzap_ruler [--variant twin] [--out docs/results/experiments]
@@ -33,6 +34,7 @@ from typing import Any
 
 from kvresearch import experiment as experiments
 from kvresearch.errors import KVResearchError
+from kvresearch.experiment import index
 from kvresearch.experiment.figures import figure
 from kvresearch.runs import is_done, outputs_root, repo_root, write_atomic
 from kvresearch.runs import records as run_records
@@ -232,6 +234,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="every experiment: its grid, its cost and its table")
+    index_parser = sub.add_parser("index", help="docs/results/README.md: every committed table and how to rebuild it")
+    index_parser.add_argument("--out", default="docs/results")
     for action in ("run", "table"):
         p = sub.add_parser(action)
         p.add_argument("name")
@@ -268,6 +272,8 @@ def main() -> None:
         if args.action == "list":
             for name in experiments.names():
                 print(listing(name))
+        elif args.action == "index":
+            print(index.write(Path(args.out), outputs_root(), run_records.records_root()))
         else:
             (run if args.action == "run" else table)(args)
     except KVResearchError as error:

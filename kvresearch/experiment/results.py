@@ -82,11 +82,15 @@ def per_context(result: Result) -> Result:
 
 
 def _interval(i: Interval | None, scale: float, signed: bool = False, digits: int = 1) -> str:
-    """``mean [low, high]`` times ``scale``, with ``digits`` decimals."""
+    """``mean [low, high]`` times ``scale``, with ``digits`` decimals.
+
+    The mean alone when there is no interval: one answer, or one context whose answers are resampled together.
+    """
     if i is None or i.n == 0:
         return ""
     fmt = f"{'+' if signed else ''}.{digits}f"
-    bounds = "" if i.n < 2 else f" [{i.low * scale:{fmt}}, {i.high * scale:{fmt}}]"
+    defined = i.n >= 2 and math.isfinite(i.low) and math.isfinite(i.high)
+    bounds = f" [{i.low * scale:{fmt}}, {i.high * scale:{fmt}}]" if defined else ""
     return f"{i.mean * scale:{fmt}}{bounds}"
 
 

@@ -69,7 +69,7 @@ class AttentionMatching(Method):
     queries: list[str] = field(default_factory=lambda: ["repeat"])  # reference query sources
     self_study: Any = None  # {prompts, max_new_tokens, temperature, top_p, top_k}: am_queries.SelfStudy
     on_policy: bool = False
-    budgets: str | None = None  # None (uniform) | path to {"L{l}H{h}": share} | global_layer | global_model
+    budgets: Any = None  # None (uniform) | a budgets run's file (head_budgets.BudgetFile) | a path | global_layer|model
     span: str = "article"  # article (template tokens kept as they are) | all
     chunk_tokens: int | None = None  # compact the span in chunks of this many tokens
     max_queries: int = 50_000  # per KV head, seeded subsample above
@@ -124,6 +124,9 @@ class AttentionMatching(Method):
         if self.beta_bounds is not None:
             self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
         self.study = SelfStudy(**dict(self.self_study or {}))
+        self.budgets_run = self.budgets.run if isinstance(self.budgets, head_budgets.BudgetFile) else None
+        if isinstance(self.budgets, head_budgets.BudgetFile):
+            self.budgets = self.budgets.path
         self.shares = (
             head_budgets.load_shares(self.budgets) if self.budgets and self.budgets not in GLOBAL_BUDGETS else None
         )
@@ -386,6 +389,10 @@ class AttentionMatching(Method):
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
         """With ``decoding`` set, the cache is re-compressed on its schedule while generating."""
         return recompressing(self, session, cache, self.decoding) if self.decoding else nullcontext()
+
+    def inputs(self) -> tuple[str, ...]:
+        """The budgets run whose per-head budgets this method reads (none for uniform, global or hand-given)."""
+        return (self.budgets_run,) if self.budgets_run else ()
 
     def report(self) -> dict[str, Any]:
         """Held-out reconstruction errors (mean and per layer and KV head) and step timings of the last compression."""

@@ -82,6 +82,14 @@ class Method:
         """Per-sample extras of the last ``compress`` (timings, errors); empty by default."""
         return {}
 
+    def needs_held_out(self) -> bool:
+        """Whether :meth:`prepare` wants held-out contexts before the evaluation (KVzap's calibration)."""
+        return False
+
+    def prepare(self, session: Session, held_out: list[Prompt]) -> dict[str, Any]:
+        """Set what the budget needs from held-out prompts (none of them evaluated); what the run records."""
+        return {}
+
     def inputs(self) -> tuple[str, ...]:
         """The finished runs this method was built from (a surrogate's train_surrogate run); none by default."""
         return ()

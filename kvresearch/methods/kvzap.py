@@ -23,6 +23,7 @@ prefill or decoding sees less).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -193,6 +194,14 @@ class KVzap(Method):
         self._scoring_s = time.perf_counter() - start
         return prefill, scores
 
+    def needs_held_out(self) -> bool:
+        """Only a threshold calibrated to a target prune ratio (``calibrate_to``) needs held-out contexts."""
+        return self.calibrate_to is not None
+
+    def prepare(self, session: Session, held_out: list[Prompt]) -> dict[str, Any]:
+        """Calibrate the threshold on ``held_out`` (:meth:`calibrate`); the calibration as the run records it."""
+        return dataclasses.asdict(self.calibrate(session, held_out))
+
     def calibrate(self, session: Session, prompts: list[Prompt]) -> Calibration:
         """Set the threshold to the one that prunes ``calibrate_to`` of ``prompts``' contexts on average.
 
@@ -203,11 +212,23 @@ class KVzap(Method):
         if self.calibrate_to is None:
             raise KVResearchError(f"method {self.name}: calibrate() needs method.calibrate_to.")
         eligible, entries = [], []
+        weights = hashlib.sha1(
+            b"".join(p.detach().float().cpu().numpy().tobytes() for p in self.surrogate.parameters())
+        )
         for prompt in prompts:
-            _, scores = self.scores(session, prompt.context_ids)
-            tokens = scores[0].shape[1]
-            eligible.append(torch.cat([s[:, : max(tokens - self.window, 0)].reshape(-1) for s in scores]))
-            entries.append(sum(s.numel() for s in scores))
+
+            def held_out(ids: torch.Tensor = prompt.context_ids) -> dict[str, torch.Tensor]:
+                _, scores = self.scores(session, ids)
+                tokens = scores[0].shape[1]
+                kept = torch.cat([s[:, : max(tokens - self.window, 0)].reshape(-1) for s in scores])
+                return {"eligible": kept, "entries": torch.tensor([sum(s.numel() for s in scores)])}
+
+            # Each target prune ratio of a sweep calibrates on the same scores: computed once per surrogate.
+            digest = hashlib.sha1(str(prompt.context_ids[0].tolist()).encode()).hexdigest()
+            key = f"kvzap-held-out|{weights.hexdigest()}|{self.surrogate.config}|window={self.window}|ids={digest}"
+            got = session.memo.get_or_compute(key, held_out) if session.memo is not None else held_out()
+            eligible.append(got["eligible"])
+            entries.append(int(got["entries"][0]))
         self._calibration = calibrate_threshold(eligible, entries, float(self.calibrate_to))
         self.threshold = self._calibration.threshold
         return self._calibration

@@ -6,6 +6,7 @@ choices). Thresholds are in log space (like KVzap's); the template head is never
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -51,12 +52,20 @@ class KVzip(Method):
         ids = prompt.context_ids
         prefill = session.dense_prefill(ids)
         context = ids[0, prompt.head_len :].tolist()
-        layers = chunked_oracle_scores(
-            session.adapter, session.tokenizer, prefill.cache, context, prompt.head_len, chunk_size=self.chunk_size
-        )
+
+        def oracle() -> dict[str, torch.Tensor]:
+            layers = chunked_oracle_scores(
+                session.adapter, session.tokenizer, prefill.cache, context, prompt.head_len, chunk_size=self.chunk_size
+            )
+            return {f"{i}": (layer.kvzip_plus if self.plus else layer.kvzip) for i, layer in enumerate(layers)}
+
+        # The oracle does not depend on the budget: the cells of a sweep over budgets compute it once.
+        digest = hashlib.sha1(str(ids[0].tolist()).encode()).hexdigest()
+        key = f"kvzip|plus={self.plus}|chunk={self.chunk_size}|head={prompt.head_len}|ids={digest}"
+        raw = session.memo.get_or_compute(key, oracle) if session.memo is not None else oracle()
         scores = []
-        for layer in layers:
-            s = (layer.kvzip_plus if self.plus else layer.kvzip).clamp_min(1e-30).log()  # (Hkv, C)
+        for i in range(len(raw)):
+            s = raw[f"{i}"].clamp_min(1e-30).log()  # (Hkv, C)
             sinks = torch.full((s.shape[0], prompt.head_len), float("inf"))
             scores.append(torch.cat([sinks, s], dim=1))
         cache = cache_from_scores(prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window)

@@ -58,6 +58,7 @@ class Session:
 
     adapter: ModelAdapter
     tokenizer: Any
+    memo: Any = None  # data.memo.TensorMemo: what a method computes once per context whatever its budget
 
     @property
     def model(self) -> Any:

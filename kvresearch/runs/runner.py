@@ -137,7 +137,7 @@ def stage_main(config_name: str, fn: StageFn, verify: VerifyFn | None = None) ->
     from hydra.types import RunMode
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)
-    def main(cfg: DictConfig) -> None:
+    def hydra_main(cfg: DictConfig) -> None:
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN
         try:
             execute(cfg, fn, verify)
@@ -152,4 +152,39 @@ def stage_main(config_name: str, fn: StageFn, verify: VerifyFn | None = None) ->
             traceback.print_exc()
             _FAILED.append((str(cfg.out_dir), f"{type(error).__name__}: {error}"))
 
+    def main() -> None:
+        problem = unparsable_override(sys.argv[1:])
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        hydra_main()
+
     return main
+
+
+def unparsable_override(args: list[str]) -> str | None:
+    """Why Hydra's command-line grammar refuses one of ``args``, in words that name the fix; None when it takes all.
+
+    The usual cause is a run folder handed on unquoted (``paths.extract=extract/corpus.n_train_per_source=75``):
+    a value holding ``=`` or ``,`` must be quoted, or the run named by its id or an experiment step.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as error:
+            key, _, value = arg.partition("=")
+            hint = (
+                f"a value holding '=' or ',' must be quoted: '{key}=\"{value}\"' (quotes included, inside shell "
+                "quotes), or name the run by its id or an experiment step (<experiment>:<step>)"
+                if "=" in value or "," in value
+                else "check its brackets and quotes"
+            )
+            detail = str(error).splitlines()[0]
+            return f"The override {arg!r} cannot be parsed ({detail}): {hint}."
+    return None

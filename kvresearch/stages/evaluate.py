@@ -8,18 +8,20 @@ evaluate.shard_index=0,...,N-1`` answers contiguous blocks of the samples, then 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvresearch.answering import Settings
 from kvresearch.benchmarks.loader import calibration_samples, load_samples
+from kvresearch.data.memo import TensorMemo
 from kvresearch.evaluation import (
     ANSWER_GROUPS,
     SHARD_KEYS,
-    calibrate,
     evaluate,
     merge_predictions,
+    prepare,
     reference_answers,
     summarize,
 )
@@ -46,30 +48,27 @@ def run(cfg: DictConfig, ctx: RunContext) -> dict[str, Any]:
         merged = {"method": first["method"], "evaluate": evaluate_cfg, "reference_run": first["reference_run"]}
         return {**recorded, **merged, "merged_parts": [str(p) for p in parts], **summarize(records)}
     # A part of a sharded run takes the merged full-cache run split the same way, else an unsplit one.
-    drops = (SHARD_KEYS[:1], SHARD_KEYS)
-    folder = (
-        full_cache_run("evaluate", cfg.evaluate.reference_run, ctx.out_dir, ANSWER_GROUPS, ctx.inputs, drops, True)
-        if settings.fidelity
-        else None
-    )
+    explicit, drops = cfg.evaluate.reference_run, (SHARD_KEYS[:1], SHARD_KEYS)
+    find = lambda: full_cache_run("evaluate", explicit, ctx.out_dir, ANSWER_GROUPS, ctx.inputs, drops, True)
+    folder = find() if settings.fidelity else None
     reference = reference_answers(folder, recorded) if folder is not None and folder != ctx.out_dir else None
     loaded = load_model(cfg.model)
-    session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
+    memo = TensorMemo(Path(cfg.paths.root) / "memo" / f"{cfg.model.name}-{cfg.model.dtype}")  # shared by its cells
+    session = Session(ModelAdapter(loaded.model), loaded.tokenizer, memo)
     samples = load_samples(cfg.benchmark, loaded.tokenizer)[: cfg.evaluate.max_samples or None]
     calibration = None
-    if cfg.method.get("calibrate_to") is not None:
+    if method.needs_held_out():  # e.g. KVzap's threshold calibrated to a target prune ratio
         held_out = calibration_samples(cfg.benchmark, loaded.tokenizer, samples, int(cfg.evaluate.calibration_samples))
-        calibration = calibrate(session, method, held_out, settings)
+        calibration = prepare(session, method, held_out, settings)
     samples = [samples[i] for i in part_range(len(samples), shards, int(index or 0), "evaluate")]
     records = evaluate(session, method, samples, ctx.out_dir, settings, reference, ctx.tracker)
-    summary = summarize(records)
     return {
         **recorded,
         "method": method.describe(),
         "evaluate": evaluate_cfg,
         "reference_run": str(folder or ""),
         "calibration": calibration,
-        **summary,
+        **summarize(records),
     }
 
 

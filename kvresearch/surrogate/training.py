@@ -78,7 +78,7 @@ def fit_sgd(surrogate: Surrogate, run: ExtractRun, t: Training, out_dir: Path, t
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no banner lines per run
     L.seed_everything(seed, workers=True, verbose=False)
     data = ShardDataModule(run, int(recipe["batch_size"]), float(recipe["val_fraction"]), seed)
-    targets = run.target_moments(data.train_rows) if recipe.get("standardize_targets", True) else None
+    targets = run.target_moments(data.train_rows) if recipe.get("standardize_targets", False) else None
     module = SurrogateModule(surrogate, float(recipe["lr"]), float(recipe["weight_decay"]), int(recipe["epochs"]),
                              targets)  # fmt: skip
     last = out_dir / "ckpt" / "last.ckpt"
