@@ -12,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvresearch.runs import run_folder, today
+from kvresearch.runs.changes import resolved
 from kvresearch.studies import surrogates as study
 from kvresearch.surrogate.data import ExtractRun
 from tests.helpers import compose_stage, synthetic_extract
@@ -173,8 +174,8 @@ def test_finished_reads_the_run_folder_a_real_run_would_write(tmp_path: Path, mo
     folder.mkdir(parents=True)
     (folder / "DONE").write_text("2026-12-04T10:00:00\n")
     cfg = today("train_surrogate", overrides)
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved(cfg))))  # as a run stores it
     assert study.finished("abc123", "mlp")  # what a re-run would skip
     cfg.surrogate.lr = 2 * cfg.surrogate.lr
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved(cfg))))  # as a run stores it
     assert not study.finished("abc123", "mlp")  # finished with other settings: a re-run trains it again
