@@ -254,17 +254,17 @@ def step_am(session: Session, plan: dict[str, Any], clock: Clock) -> list[dict[s
         session.model(input_ids=prompt.input_ids.to(session.device), use_cache=False, logits_to_keep=1)
     rows = []
     for method in (
-        AttentionMatching(name="am_highest", keys="highest"),
-        AttentionMatching(name="am_omp", keys="omp", omp_drop_below=-7.0),
+        AttentionMatching(name="am_highest", keys={"select": "highest"}),
+        AttentionMatching(name="am_omp", keys={"select": "omp", "drop_below": -7.0}),
     ):
 
         def compact(method: AttentionMatching = method) -> None:
             for h in range(a.num_kv_heads):
                 q = captured["q"][h * a.group_size : (h + 1) * a.group_size].reshape(-1, a.head_dim)
                 q = q[
-                    torch.randperm(len(q), generator=torch.Generator().manual_seed(h))[: method.max_queries].to(
-                        q.device
-                    )
+                    torch.randperm(len(q), generator=torch.Generator().manual_seed(h))[
+                        : method.queries.max_per_head
+                    ].to(q.device)
                 ]
                 method.compact_head(
                     q.float(), captured["k"][h].float(), captured["v"][h].float(), a.layers[layer].scaling

@@ -54,11 +54,15 @@ def test_on_policy_equals_off_policy_on_one_layer_and_only_from_layer_one_on_dee
         one.config.layer_types = one.config.layer_types[:1]
     single = Session(ModelAdapter(one), tiny.tokenizer)
     for keys in ("highest", "omp"):
-        off = AttentionMatching(keep_ratio=0.3, keys=keys, queries=["repeat"]).compress(single, prompt)
-        on = AttentionMatching(keep_ratio=0.3, keys=keys, queries=["repeat"], on_policy=True).compress(single, prompt)
+        off = AttentionMatching(keep_ratio=0.3, keys={"select": keys}, queries={"sources": ["repeat"]}).compress(
+            single, prompt
+        )
+        on = AttentionMatching(
+            keep_ratio=0.3, keys={"select": keys}, queries={"sources": ["repeat"], "on_policy": True}
+        ).compress(single, prompt)
         same_cache(off, on, range(1), 2)
-    off = AttentionMatching(keep_ratio=0.3, queries=["repeat"]).compress(session, prompt)
-    on = AttentionMatching(keep_ratio=0.3, queries=["repeat"], on_policy=True).compress(session, prompt)
+    off = AttentionMatching(keep_ratio=0.3, queries={"sources": ["repeat"]}).compress(session, prompt)
+    on = AttentionMatching(keep_ratio=0.3, queries={"sources": ["repeat"], "on_policy": True}).compress(session, prompt)
     same_cache(off, on, range(1), 2)  # layer 0's queries never depend on compaction
     differs = [not torch.equal(entries(off, 2, h)[2], entries(on, 2, h)[2]) for h in range(2)]
     assert any(differs)  # later layers see the compacted earlier ones
@@ -67,13 +71,15 @@ def test_on_policy_equals_off_policy_on_one_layer_and_only_from_layer_one_on_dee
 def test_one_chunk_is_the_unchunked_result_and_chunks_keep_their_share(tiny, session) -> None:
     prompt = build_prompt(tiny.tokenizer, TEXT, "How many?")
     article = prompt.article.stop - prompt.article.start
-    whole = AttentionMatching(keep_ratio=0.25, queries=["repeat", "context"]).compress(session, prompt)
-    one = AttentionMatching(keep_ratio=0.25, queries=["repeat", "context"], chunk_tokens=article).compress(
-        session, prompt
-    )
+    whole = AttentionMatching(keep_ratio=0.25, queries={"sources": ["repeat", "context"]}).compress(session, prompt)
+    one = AttentionMatching(
+        keep_ratio=0.25, queries={"sources": ["repeat", "context"]}, budgets={"chunk_tokens": article}
+    ).compress(session, prompt)
     same_cache(whole, one, range(3), 2)
     cut = article // 2 + 3
-    two = AttentionMatching(keep_ratio=0.25, queries=["repeat"], chunk_tokens=cut).compress(session, prompt)
+    two = AttentionMatching(keep_ratio=0.25, queries={"sources": ["repeat"]}, budgets={"chunk_tokens": cut}).compress(
+        session, prompt
+    )
     outside = prompt.context_ids.shape[1] - article
     for i, h in itertools.product(range(3), range(2)):
         pos = entries(two, i, h)[0]
@@ -90,7 +96,7 @@ def test_budget_file_round_trips_and_uneven_sizes_land_in_the_cache_without_padd
     assert head_budgets.dump_shares(shares) == raw and abs(sum(shares.values()) - 1) < 1e-12
     path = tmp_path / "budgets.json"
     path.write_text(json.dumps(raw))
-    method = AttentionMatching(keep_ratio=0.2, queries=["repeat"], budgets=str(path))
+    method = AttentionMatching(keep_ratio=0.2, queries={"sources": ["repeat"]}, budgets={"heads": str(path)})
     cache = method.compress(session, prompt)
     article = prompt.article.stop - prompt.article.start
     want = budgets.sizes_from_shares(shares, heads, 0.2, article)
@@ -111,7 +117,9 @@ def test_global_budgets_spend_the_uniform_total_by_one_threshold(tiny, session) 
     article = prompt.article.stop - prompt.article.start
     outside = prompt.context_ids.shape[1] - article
     for mode in ("global_layer", "global_model"):
-        cache = AttentionMatching(keep_ratio=0.25, queries=["repeat"], budgets=mode).compress(session, prompt)
+        cache = AttentionMatching(keep_ratio=0.25, queries={"sources": ["repeat"]}, budgets={"heads": mode}).compress(
+            session, prompt
+        )
         kept = [[n - outside for n in layer] for layer in cache.stats()["kept_per_layer_head"]]
         if mode == "global_layer":
             assert all(abs(sum(layer) - int(0.25 * article * 2)) <= 2 for layer in kept)
@@ -144,12 +152,14 @@ def test_self_study_reuses_the_context_cache_and_is_seeded(tiny, session) -> Non
     n = prompt.context_ids.shape[1]
     lengths: list[int] = []
     with model_calls(session.model, lambda ids: lengths.append(ids.shape[1]), lambda ids: None):
-        method = AttentionMatching(keep_ratio=0.3, queries=["self_study"], self_study=SHORT_STUDY)
+        method = AttentionMatching(keep_ratio=0.3, queries={"sources": ["self_study"], "self_study": SHORT_STUDY})
         first = method.compress(session, prompt)
     assert sum(1 for x in lengths if x >= n) == 1  # the context is prefilled once: generation reuses its cache
-    second = AttentionMatching(keep_ratio=0.3, queries=["self_study"], self_study=SHORT_STUDY).compress(session, prompt)
+    second = AttentionMatching(keep_ratio=0.3, queries={"sources": ["self_study"], "self_study": SHORT_STUDY}).compress(
+        session, prompt
+    )
     same_cache(first, second, range(3), 2)
-    other = AttentionMatching(keep_ratio=0.3, queries=["self_study"], self_study=SHORT_STUDY, seed=1)
+    other = AttentionMatching(keep_ratio=0.3, queries={"sources": ["self_study"], "self_study": SHORT_STUDY, "seed": 1})
     assert not all(
         torch.equal(entries(first, 1, h)[2], entries(other.compress(session, prompt), 1, h)[2]) for h in range(2)
     )
@@ -157,7 +167,7 @@ def test_self_study_reuses_the_context_cache_and_is_seeded(tiny, session) -> Non
 
 def test_kvzip_keys_hybrid_keeps_the_oracle_top_keys_with_fitted_beta(tiny, session) -> None:
     prompt = build_prompt(tiny.tokenizer, TEXT, "How many?")
-    method = AttentionMatching(keep_ratio=0.25, keys="kvzip", queries=["repeat"])
+    method = AttentionMatching(keep_ratio=0.25, keys={"select": "kvzip"}, queries={"sources": ["repeat"]})
     cache = method.compress(session, prompt)
     prefill = session.dense_prefill(prompt.context_ids)
     context = prompt.context_ids[0, prompt.head_len :].tolist()
@@ -181,7 +191,7 @@ def test_summarization_replaces_the_context_and_reports_the_true_ratio(tiny, ses
     stats = cache.stats()
     assert stats["prune_ratio"] == pytest.approx(1 - (n - article + report["summary_tokens"]) / n)
     chained = build(method_config("summarize_am"))
-    assert chained.then is not None and chained.then.keys == "highest"
+    assert chained.then is not None and chained.then.keys.select == "highest"
     chained.compress(session, prompt)
     assert chained.report()["then"]["timings_s"]["values_s"] >= 0
 
@@ -196,7 +206,7 @@ def test_summarization_replaces_the_context_and_reports_the_true_ratio(tiny, ses
 )
 def test_configs_build_the_query_mix_and_policy(name, queries, on_policy, keys) -> None:
     method = build(method_config(name))
-    assert method.queries == queries and method.on_policy == on_policy and method.keys == keys
+    assert method.queries.sources == queries and method.queries.on_policy == on_policy and method.keys.select == keys
 
 
 def test_budgets_stage_writes_a_file_that_compaction_loads(tmp_path, tiny, session) -> None:
@@ -212,7 +222,7 @@ def test_budgets_stage_writes_a_file_that_compaction_loads(tmp_path, tiny, sessi
     assert len(losses) == 6 * 4 and all(v == 0 for k, v in losses.items() if k.endswith("@0.1"))
     assert abs(sum(metrics["ratios"].values()) - 0.6) < 1e-9  # the start ratio's total, redistributed
     prompt = build_prompt(tiny.tokenizer, TEXT, "How many?")
-    AttentionMatching(keep_ratio=0.2, budgets=str(folder / "budgets.json")).compress(session, prompt)
+    AttentionMatching(keep_ratio=0.2, budgets={"heads": str(folder / "budgets.json")}).compress(session, prompt)
     # The hand-off: am_*_budgets read the run of the step head_budgets:<model name>, which is this run.
     method = build(method_config("am_omp_budgets", paths={"root": str(tmp_path)}))
     assert method.shares == shares and method.inputs() == (str(folder.resolve()),)

@@ -20,7 +20,7 @@ from tests.helpers import method_config
 def test_compacted_cache_reproduces_the_solver_in_a_forward_pass(tiny, keys) -> None:
     session = Session(ModelAdapter(tiny.model), tiny.tokenizer)
     prompt = build_prompt(tiny.tokenizer, "Rivers carry water to the sea, and the sea returns it as rain. " * 8, "Why?")
-    method = AttentionMatching(keep_ratio=0.25, keys=keys, queries=["repeat", "context"])
+    method = AttentionMatching(keep_ratio=0.25, keys={"select": keys}, queries={"sources": ["repeat", "context"]})
     cache = method.compress(session, prompt)
     n = prompt.context_ids.shape[1]
     assert cache.get_seq_length() == n
@@ -60,17 +60,23 @@ def test_compacted_cache_reproduces_the_solver_in_a_forward_pass(tiny, keys) -> 
 def test_ablations_and_bad_arguments(tiny) -> None:
     session = Session(ModelAdapter(tiny.model), tiny.tokenizer)
     prompt = build_prompt(tiny.tokenizer, "A short context about maps. " * 10, "What?")
-    cache = AttentionMatching(keep_ratio=0.5, fit_beta=False, fit_values=False, queries=["random"]).compress(
-        session, prompt
-    )
+    cache = AttentionMatching(
+        keep_ratio=0.5, fit={"beta": False, "values": False}, queries={"sources": ["random"]}
+    ).compress(session, prompt)
     layer = cache.ragged[1]
     assert bool((layer.bias[layer.head_rows(0)] == 0).all())
     with pytest.raises(KVResearchError, match="keep_ratio"):
         AttentionMatching(keep_ratio=0.0)
-    with pytest.raises(KVResearchError, match="query sources"):
-        AttentionMatching(keep_ratio=0.1, queries=["summaries"])
+    with pytest.raises(KVResearchError, match=r"queries\.sources: unknown"):
+        AttentionMatching(keep_ratio=0.1, queries={"sources": ["summaries"]})
     with pytest.raises(KVResearchError, match="on_policy"):
-        AttentionMatching(keep_ratio=0.1, queries=["context"], on_policy=True)
+        AttentionMatching(keep_ratio=0.1, queries={"sources": ["context"], "on_policy": True})
+    with pytest.raises(
+        KVResearchError, match=r"method am: keys: unknown option\(s\) \['omp_drop_below'\]; known: \['select'"
+    ):
+        AttentionMatching(keep_ratio=0.1, keys={"omp_drop_below": -7})  # a flat name inside the group: named
+    with pytest.raises(KVResearchError, match="fit must be a group of options"):
+        AttentionMatching(keep_ratio=0.1, fit=False)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +91,8 @@ def test_ablations_and_bad_arguments(tiny) -> None:
 )
 def test_method_configs_build_the_papers_variants(name, keys, bounds, fits) -> None:
     method = build(method_config(name))
-    assert method.name == name and method.keys == keys and method.bounds == bounds
-    assert method.fit_beta == method.fit_values == fits and method.work_dtype == "float32"
+    assert method.name == name and method.keys.select == keys and method.bounds == bounds
+    assert method.fit.beta == method.fit.values == fits and method.fit.work_dtype == "float32"
     if name == "am_omp_fast":
-        assert method.omp["keys_per_step"] == 4 and method.omp["refit_every"] == 2
+        assert method.keys.omp["keys_per_step"] == 4 and method.keys.omp["refit_every"] == 2
+        assert method.keys.omp["drop_below"] == -7.0  # from am_omp, which it starts from

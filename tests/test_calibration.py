@@ -61,7 +61,11 @@ def test_threshold_calibrated_on_held_out_contexts_reaches_the_target_on_the_eva
     assert len(held_out) == 4 and not {s.context for s in held_out} & {s.context for s in evaluated}
     assert sorted(s.task for s in held_out) == sorted(s.task for s in evaluated)  # spread over the tasks
     for target in (0.3, 0.6):
-        cfg = compose_stage("evaluate", None, [*overrides, "method=kvzap_linear", f"method.calibrate_to={target}"])
+        cfg = compose_stage(
+            "evaluate",
+            None,
+            [*overrides, "method=kvzap_linear", "method.calibrate=true", f"method.keep_ratio={1 - target}"],
+        )
         metrics = execute(cfg, run)
         calibration = metrics["calibration"]
         assert calibration["contexts"] == 4 and abs(calibration["achieved"] - target) < 0.005
@@ -86,11 +90,11 @@ def test_a_method_asked_to_calibrate_refuses_to_compress_before_it_has(tiny, tmp
 
     adapter = ModelAdapter(tiny.model)
     surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
-    method = KVzap(surrogate=surrogate, calibrate_to=0.5, window=4)
+    method = KVzap(surrogate=surrogate, calibrate=True, keep_ratio=0.5, threshold=None, window=4)
     session = Session(adapter, tiny.tokenizer)
     prompt = build_prompt(tiny.tokenizer, "a b c d e f g h i j k l m n o p", "q?")
     prompt.context_ids.clamp_(max=96)  # the tiny vocabulary
     with pytest.raises(KVResearchError, match="only the evaluate stage"):
         method.compress(session, prompt)
-    result = method.calibrate(session, [prompt])
+    result = method.fit_threshold(session, [prompt])
     assert abs(result.achieved - 0.5) < 0.05 and method.compress(session, prompt).stats()["prune_ratio"] > 0.4

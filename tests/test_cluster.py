@@ -193,4 +193,6 @@ def test_the_pipeline_plan_waits_for_each_hand_off_and_names_the_runs_hydra_writ
     assert "paths.surrogate" not in " ".join(jobs["evaluate-full"].command)  # the reference run's name stays plain
     full = jobs["evaluate-full"].command
     assert "model=tiny_random" in full and "model=smollm2_135m" not in full  # the command line's model wins
-    assert "method.calibrate_to=0.5" in sweep  # the cells of the experiment (kvzap_ruler's twin)
+    assert (
+        "method.calibrate=true" in sweep and "method.keep_ratio=0.5" in sweep
+    )  # the cells of the experiment (kvzap_ruler's twin)

@@ -90,7 +90,7 @@ def test_recompression_while_decoding_equals_compressing_the_prefix_once(setup, 
     session, prompt = setup
     budget = {"interval": 8, "target_size": 40, "protect": 4}
     if kind == "am":
-        method = AttentionMatching(keep_ratio=0.5, queries=["context"], holdout=0.0, decoding=budget)
+        method = AttentionMatching(keep_ratio=0.5, queries={"sources": ["context"], "holdout": 0.0}, decoding=budget)
     else:
         method = KVzip(keep_ratio=0.5, scope="head", decoding=budget)
     cache = method.compress(session, prompt)

@@ -93,9 +93,9 @@ def test_attention_matching_reports_errors_and_step_times(tmp_path: Path) -> Non
         tmp_path,
         "method=am_omp_fast",
         "method.keep_ratio=0.25",
-        "method.max_queries=256",
-        "method.span=all",
-        "method.omp_drop_below=null",
+        "method.queries.max_per_head=256",
+        "method.budgets.span=all",
+        "method.keys.drop_below=null",
     )
     assert metrics["method"]["name"] == "am_omp_fast" and abs(metrics["overall"]["prune_ratio"] - 0.75) < 0.02
     record = lines(tmp_path / "evaluate" / metrics["run"]["name"])[0]

@@ -53,8 +53,8 @@ def write_experiment(path: Path, surrogate: Path, extra_row: bool = False) -> Pa
     rows = [
         {"method": "full", "reference": True},
         {"method": "streaming_llm", "sweep": {"method.keep_ratio": [0.5]}},
-        {"method": "kvzap_linear", "overrides": [f"paths.surrogate_linear={surrogate}"],
-         "sweep": {"method.calibrate_to": [0.4]}},
+        {"method": "kvzap_linear", "overrides": [f"paths.surrogate_linear={surrogate}", "method.calibrate=true"],
+         "sweep": {"method.keep_ratio": [0.6]}},
     ]  # fmt: skip
     if extra_row:
         rows.append({"method": "snapkv", "sweep": {"method.keep_ratio": [0.25]}})
@@ -176,9 +176,9 @@ def test_a_decoding_experiment_plots_the_ratio_at_the_end_of_the_generation(tmp_
 
 def test_rows_pick_cells_in_the_order_given_with_each_full_cache_row_first() -> None:
     cells = experiments.cells(experiments.load("ruler_resolved"), "twin")
-    chosen = experiments.select(cells, ["kvzip_plus", "kvzap_mlp@calibrate_to=0.5"])
+    chosen = experiments.select(cells, ["kvzip_plus", "kvzap_mlp@keep_ratio=0.5"])
     expected = [("full", ""), ("kvzip_plus", "keep_ratio=0.5"), ("kvzip_plus", "keep_ratio=0.25"),
-                ("kvzap_mlp", "calibrate_to=0.5")]  # fmt: skip
+                ("kvzap_mlp", "keep_ratio=0.5")]  # fmt: skip
     assert [(c.model, c.row, c.point) for c in chosen] == [
         (model, row, point) for model in ("smollm2_135m 2k", "smollm2_135m 4k") for row, point in expected
     ]  # 2k before 4k
@@ -187,9 +187,9 @@ def test_rows_pick_cells_in_the_order_given_with_each_full_cache_row_first() -> 
         experiments.select(cells, ["kvzap"])
     with pytest.raises(KVResearchError, match=r"snapkv \(@keep_ratio=0.5 @keep_ratio=0.25\)"):
         experiments.select(cells, ["snapkv@method.keep_ratio=0.5"])  # the point is named as the table names it
-    only_2k = experiments.select(cells, ["kvzap_mlp@calibrate_to=0.5"], ["smollm2_135m 2k"])
+    only_2k = experiments.select(cells, ["kvzap_mlp@keep_ratio=0.5"], ["smollm2_135m 2k"])
     assert [(c.model, c.row, c.point) for c in only_2k] == [
-        ("smollm2_135m 2k", "full", ""), ("smollm2_135m 2k", "kvzap_mlp", "calibrate_to=0.5")]  # fmt: skip
+        ("smollm2_135m 2k", "full", ""), ("smollm2_135m 2k", "kvzap_mlp", "keep_ratio=0.5")]  # fmt: skip
     with pytest.raises(KVResearchError, match="models: smollm2_135m 2k, smollm2_135m 4k"):
         experiments.select(cells, None, ["smollm2_135m"])
 

@@ -45,9 +45,16 @@ def test_kvzap_calibrates_each_target_from_the_held_out_scores_of_the_first(tiny
     memo = TensorMemo(tmp_path / "memo")
     shared = Session(adapter, tiny.tokenizer, memo)
     for target in (0.5, 0.75):
-        expected = KVzap(surrogate=surrogate, calibrate_to=target, window=4).calibrate(plain, prompts)
-        assert KVzap(surrogate=surrogate, calibrate_to=target, window=4).calibrate(shared, prompts) == expected
+        expected = KVzap(
+            surrogate=surrogate, calibrate=True, keep_ratio=1 - target, threshold=None, window=4
+        ).fit_threshold(plain, prompts)
+        assert (
+            KVzap(surrogate=surrogate, calibrate=True, keep_ratio=1 - target, threshold=None, window=4).fit_threshold(
+                shared, prompts
+            )
+            == expected
+        )
     assert (memo.misses, memo.hits) == (3, 3)  # one file per held-out context, read back for the second target
     other = surrogate_run(tmp_path / "t", adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, seed=1)
-    KVzap(surrogate=other, calibrate_to=0.5, window=4).calibrate(shared, prompts)
+    KVzap(surrogate=other, calibrate=True, keep_ratio=0.5, threshold=None, window=4).fit_threshold(shared, prompts)
     assert memo.misses == 6  # another surrogate's scores are its own

@@ -151,8 +151,8 @@ METHODS = {  # the method and its budget: keep half (AM: a tenth, its self-study
     "kvzap_mlp": ["method.keep_ratio=0.5"],  # a random model's log-scores sit anywhere: a ratio, not a threshold
     "kvzap_linear": ["method.keep_ratio=0.5"],
     "kvzip_plus": ["method.keep_ratio=0.5"],
-    "am_highest": ["method.keep_ratio=0.1", "method.self_study={max_new_tokens:8}"],
-    "am_omp": ["method.keep_ratio=0.1", "method.self_study={max_new_tokens:8}"],
+    "am_highest": ["method.keep_ratio=0.1", "method.queries.self_study={max_new_tokens:8}"],
+    "am_omp": ["method.keep_ratio=0.1", "method.queries.self_study={max_new_tokens:8}"],
     "snapkv": ["method.keep_ratio=0.5"],
     "tova": ["method.keep_ratio=0.5"],
 }

@@ -51,7 +51,8 @@ def variant(name: str, keep_ratio: float) -> AttentionMatching:
     """The method config ``name`` at ``keep_ratio``, with repeat-prefill queries only."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
-            "evaluate", overrides=[f"method={name}", f"method.keep_ratio={keep_ratio}", "method.queries=[repeat]"]
+            "evaluate",
+            overrides=[f"method={name}", f"method.keep_ratio={keep_ratio}", "method.queries.sources=[repeat]"],
         )
     return build(cfg.method)
 

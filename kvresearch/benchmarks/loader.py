@@ -126,7 +126,7 @@ def calibration_samples(cfg: Mapping[str, Any], tokenizer: Any, evaluated: list[
         raise KVResearchError(
             f"benchmark '{cfg['name']}': every sample is evaluated, none is left to calibrate the threshold on. "
             "Lower evaluate.max_samples (or benchmark.max_documents), or set method.threshold instead of "
-            "method.calibrate_to."
+            "method.calibrate=true."
         )
     step = max(len(pool) / count, 1.0)
     return [pool[int(i * step)] for i in range(min(count, len(pool)))]

@@ -3,7 +3,7 @@
 At keep ratio r over a span of n tokens with H compacted heads in total, head (l, h) keeps
 ``int(share * r * n * H)`` entries (``ops/budgets.sizes_from_shares``). The ``budgets`` stage writes the file
 into its run folder; the ``am_*_budgets`` methods read it from that run (:func:`from_run`), named by
-``paths.budgets`` (the step ``head_budgets:<model name>``), or from any file given as ``method.budgets``.
+``paths.budgets`` (the step ``head_budgets:<model name>``), or from any file given as ``method.budgets.heads``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def from_run(run: str, root: str | None = None) -> BudgetFile:
     except KVResearchError as error:
         raise KVResearchError(
             f"{error} The am_*_budgets methods read the per-head budgets a budgets run measured: make them with "
-            "`make experiment-head_budgets` (one step per model), or give a file as method.budgets=<path>."
+            "`make experiment-head_budgets` (one step per model), or give a file as method.budgets.heads=<path>."
         ) from error
     return BudgetFile(str(folder / FILE), str(folder))
 
@@ -73,7 +73,8 @@ def load_shares(path: str | Path) -> dict[HeadKey, float]:
     p = Path(path)
     if not p.is_file():
         raise KVResearchError(
-            f"budget file {p} does not exist; write one with `make stage-budgets` or pass budgets=null."
+            f"budget file {p} does not exist; write one with `make experiment-head_budgets` or pass "
+            "method.budgets.heads=uniform."
         )
     return parse_shares(json.loads(p.read_text()), str(p))
 

@@ -2,6 +2,7 @@
 
     python -m kvresearch.experiment list
     python -m kvresearch.experiment index          # docs/results/README.md
+    python -m kvresearch.experiment migrate [--dry-run]   # run folders and records under renamed options
     python -m kvresearch.experiment run kvzap_ruler [--variant twin|hub] [--rows R,..] [--models M,..] [--print]
         [--launcher slurm] [--on-config-change refuse|redo|keep] [--skip-recorded] [-- ARGS]
     python -m kvresearch.experiment table kvzap_ruler [--variant twin] [--out docs/results/experiments]
@@ -34,7 +35,7 @@ from typing import Any
 
 from kvresearch import experiment as experiments
 from kvresearch.errors import KVResearchError
-from kvresearch.experiment import index
+from kvresearch.experiment import index, migrate
 from kvresearch.experiment.figures import figure
 from kvresearch.runs import is_done, outputs_root, repo_root, write_atomic
 from kvresearch.runs import records as run_records
@@ -146,7 +147,8 @@ def recorded_note(exp: Any, variant: str, root: Path, records: Path) -> str:
         if (record := experiments.recorded(cell, root, records)) is not None:
             git = record["versions"].get("git") or {}
             commit = (git.get("commit") or "unknown")[:7] + (" (uncommitted changes)" if git.get("dirty") else "")
-            lines.append(f"- {cell.label}: finished {record['done'][:16]}, commit {commit}")
+            renamed = f" (options renamed since: {', '.join(record['migrated'])})" if record.get("migrated") else ""
+            lines.append(f"- {cell.label}: finished {record['done'][:16]}, commit {commit}{renamed}")
     if not lines:
         return ""
     shown = records.relative_to(repo_root()) if records.is_relative_to(repo_root()) else records
@@ -236,6 +238,8 @@ def main() -> None:
     sub.add_parser("list", help="every experiment: its grid, its cost and its table")
     index_parser = sub.add_parser("index", help="docs/results/README.md: every committed table and how to rebuild it")
     index_parser.add_argument("--out", default="docs/results")
+    renamer = sub.add_parser("migrate", help="rename run folders and run records made under renamed options")
+    renamer.add_argument("--dry-run", action="store_true", help="list what would change, change nothing")
     for action in ("run", "table"):
         p = sub.add_parser(action)
         p.add_argument("name")
@@ -245,7 +249,7 @@ def main() -> None:
     runner, tables = sub.choices["run"], sub.choices["table"]
     runner.add_argument("--print", action="store_true", help="print the commands of the missing cells only")
     only = "only these rows, in this order (label or label@point, comma-separated; the full cache runs first)"
-    runner.add_argument("--rows", default=None, help=f"{only}, e.g. kvzap_mlp@calibrate_to=0.5,kvzip_plus")
+    runner.add_argument("--rows", default=None, help=f"{only}, e.g. kvzap_mlp@keep_ratio=0.5,kvzip_plus")
     runner.add_argument("--models", default=None, help="only these model entries (labels, comma-separated)")
     runner.add_argument("--launcher", default=None, help="hydra/launcher for every cell (slurm, local, joblib)")
     runner.add_argument(
@@ -272,6 +276,9 @@ def main() -> None:
         if args.action == "list":
             for name in experiments.names():
                 print(listing(name))
+        elif args.action == "migrate":
+            for line in migrate.run(outputs_root(), run_records.records_root(), args.dry_run):
+                print(line)
         elif args.action == "index":
             print(index.write(Path(args.out), outputs_root(), run_records.records_root()))
         else:

@@ -75,7 +75,7 @@ class Cell:
     stage: str
     model: str
     row: str  # the row's label (its method unless it names one)
-    point: str  # the budget point, e.g. "calibrate_to=0.5" ("" for none)
+    point: str  # the budget point, e.g. "keep_ratio=0.5" ("" for none)
     overrides: tuple[str, ...]
     reference: bool = False  # the full-cache row every other row is paired with
 
@@ -120,7 +120,7 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
     """The cells of ``rows`` in that order, each model's full-cache row first; every cell for no ``rows``.
 
     An entry is a row's label (all its budget points) or ``label@point`` (one point, e.g.
-    ``kvzap_mlp@calibrate_to=0.5``), so the key points of a long grid run first and the rest later.
+    ``kvzap_mlp@keep_ratio=0.5``), so the key points of a long grid run first and the rest later.
     ``models`` keeps only those model entries (their labels, e.g. ``smollm2_135m 2k``), in the config's order.
     """
     if models:
@@ -141,7 +141,7 @@ def select(found: list[Cell], rows: list[str] | None, models: list[str] | None =
         labels = ", ".join(f"{row} ({' '.join(p)})" if p else row for row, p in points.items())
         raise KVResearchError(
             f"no row {', '.join(unknown)} here; rows: {labels}. Give a label (all its points) "
-            "or label@point (one point), e.g. kvzap_mlp@calibrate_to=0.5."
+            "or label@point (one point), e.g. kvzap_mlp@keep_ratio=0.5."
         )
     rank = lambda c: min(i for i, r in enumerate(rows) if r in (c.row, f"{c.row}@{c.point}"))
     chosen = [c for c in found if c.reference or c.row in rows or f"{c.row}@{c.point}" in rows]

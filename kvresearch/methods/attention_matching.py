@@ -1,26 +1,31 @@
 """Attention Matching compaction into the ragged cache (model glue around ``ops/am.py``).
 
-One dense prefill of the context, then reference queries (``am_queries.py``: repeat, self-study,
-context, random; all query heads of a KV group pooled, capped at ``max_queries`` per KV head by a seeded
-subsample), then each global layer's KV heads compacted on the *article span* (the context's own tokens;
-the template tokens around it stay as they are, as in the papers; ``span=all`` compacts everything):
-keys selected among the originals (``highest`` attention, ``omp``, or ``kvzip``: the KVzip+ oracle's top
-keys, our hybrid), beta by bounded NNLS, values by least squares. Sliding-window layers are left alone.
-Compacted keys keep their rotary positions; new tokens continue at the original length.
+The options come in four groups (``am_options.py``), so a variant's YAML reads as a recipe:
 
-Budgets: every head keeps ``int(keep_ratio * n)`` of the span's n entries, or ``budgets=<file>`` gives
-per-head shares (``data/head_budgets.py``, the reference's JSON), or ``budgets=global_layer|global_model``
-spreads the same total by one threshold over the RMS attention scores of a layer's (or the model's)
-keys. The ragged cache stores the uneven heads as they are, without padding.
+* ``queries``: one dense prefill of the context, then reference queries (``am_queries.py``: repeat,
+  self-study, context, random; all query heads of a KV group pooled, capped at ``max_per_head`` per KV head
+  by a seeded subsample, ``holdout`` of them kept aside for the reconstruction errors);
+* ``keys``: each global layer's KV heads compacted on the *article span* (the context's own tokens; the
+  template tokens around it stay as they are, as in the papers): keys selected among the originals
+  (``highest`` attention, ``omp``, or ``kvzip``: the KVzip+ oracle's top keys, our hybrid);
+* ``fit``: beta by bounded NNLS, values by least squares (either can be switched off for ablations);
+* ``budgets``: every head keeps ``int(keep_ratio * n)`` of the span's n entries (``heads: uniform``), or a
+  budgets run gives per-head shares (``data/head_budgets.py``, the reference's JSON), or
+  ``heads: global_layer|global_model`` spreads the same total by one threshold over the RMS attention scores
+  of a layer's (or the model's) keys; ``span: all`` compacts the template tokens too. The ragged cache
+  stores the uneven heads as they are, without padding.
 
-On-policy (``on_policy=true``): the continuation suffix is pushed through the model once; before layer
+Sliding-window layers are left alone. Compacted keys keep their rotary positions; new tokens continue at
+the original length.
+
+On-policy (``queries.on_policy``): the continuation suffix is pushed through the model once; before layer
 l runs, its queries (whose hidden states already went through the compacted layers 0..l-1) are captured
 and layer l is compacted in place, so the suffix attends to the compacted layer and layer l+1 sees its
 on-policy input: L layer evaluations in all, where re-running the suffix per layer costs O(L^2).
 
-Chunked (``chunk_tokens``): the span is cut into chunks; each chunk's block (its keys keep their rotary
-positions) is compacted at the global ratio with its own repeat queries (the repeat of that chunk) and
-the shared self-study / context queries; the chunks' entries are concatenated. One chunk is the
+Chunked (``budgets.chunk_tokens``): the span is cut into chunks; each chunk's block (its keys keep their
+rotary positions) is compacted at the global ratio with its own repeat queries (the repeat of that chunk)
+and the shared self-study / context queries; the chunks' entries are concatenated. One chunk is the
 unchunked result.
 """
 
@@ -37,10 +42,8 @@ import torch
 from kvresearch.data import head_budgets
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.am_cache import HeadEntries, apply, assemble, heldout_summary, kvzip_scores
+from kvresearch.methods.am_options import Budgets, Fit, KeySelection, Queries, part
 from kvresearch.methods.am_queries import (
-    CONTINUATIONS,
-    SOURCES,
-    SelfStudy,
     fixed_queries,
     pooled,
     prefill_with_queries,
@@ -49,14 +52,11 @@ from kvresearch.methods.am_queries import (
     self_study_continuations,
 )
 from kvresearch.methods.base import Method
-from kvresearch.methods.decoding import DecodingBudget, recompressing, remember_prompt
+from kvresearch.methods.decoding import recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Prefill, Session
 from kvresearch.ops import am, budgets
 from kvresearch.prompts import Prompt
-
-WORK_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-GLOBAL_BUDGETS = ("global_layer", "global_model")
 
 
 @dataclass(kw_only=True)
@@ -65,89 +65,51 @@ class AttentionMatching(Method):
 
     name: str = "am"
     keep_ratio: float | None = 0.1
-    keys: str = "highest"  # key selection: highest | omp | kvzip
-    queries: list[str] = field(default_factory=lambda: ["repeat"])  # reference query sources
-    self_study: Any = None  # {prompts, max_new_tokens, temperature, top_p, top_k}: am_queries.SelfStudy
-    on_policy: bool = False
-    budgets: Any = None  # None (uniform) | a budgets run's file (head_budgets.BudgetFile) | a path | global_layer|model
-    span: str = "article"  # article (template tokens kept as they are) | all
-    chunk_tokens: int | None = None  # compact the span in chunks of this many tokens
-    max_queries: int = 50_000  # per KV head, seeded subsample above
-    fit_beta: bool = True
-    fit_values: bool = True
-    ridge: float = 0.0
-    reduce: str = "rms"  # key score over queries (highest, global budgets): rms, max or mean
-    beta_bounds: list[float] | None = None  # [lower, upper] on w = exp(beta); None: the reference's
-    omp_keys_per_step: int = 1
-    omp_refit_every: int = 1
-    omp_drop_below: float | None = None
-    omp_progressive: float = 0.0  # > 0: add max(keys_per_step, progressive x chosen) keys per step
-    work_dtype: str = "float32"  # n x T products; targets and t x t solves are float64
-    holdout: float = 0.1  # share of reference queries held out for the reconstruction errors
-    seed: int = 0
-    decoding: Any = None  # {interval, target_size, protect}: re-compression while generating (methods/decoding.py)
+    queries: Any = None  # am_options.Queries: sources, self_study, on_policy, max_per_head, holdout, seed
+    keys: Any = None  # am_options.KeySelection: select (highest | omp | kvzip), reduce, OMP's schedule
+    fit: Any = None  # am_options.Fit: beta, values, ridge, beta_bounds, work_dtype
+    budgets: Any = None  # am_options.Budgets: heads (uniform | global_* | a budgets run), span, chunk_tokens
+    decoding_fields = ("interval", "target_size", "protect")  # re-compression while generating (methods/decoding.py)
     timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     head_timings: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _report: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _errors: dict[tuple[int, int], list[dict[str, float]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Check the options (ratio in (0, 1], known keys, sources, budgets and dtype)."""
+        """Type the four option groups and check them together (ratio in (0, 1], combinations that cannot run)."""
         super().__post_init__()
-        problems = []
+        try:
+            self.queries = part(Queries, self.queries, "queries")
+            self.keys = part(KeySelection, self.keys, "keys")
+            self.fit = part(Fit, self.fit, "fit")
+            self.budgets = part(Budgets, self.budgets, "budgets")
+        except KVResearchError as error:
+            raise KVResearchError(f"method {self.name}: {error}") from error
         if self.keep_ratio is None or not 0 < self.keep_ratio <= 1:
-            problems.append(f"keep_ratio must lie in (0, 1], got {self.keep_ratio}")
-        if self.keys not in ("highest", "omp", "kvzip"):
-            problems.append(f"keys must be 'highest', 'omp' or 'kvzip', got {self.keys!r}")
-        self.queries = list(self.queries)
-        unknown = set(self.queries) - set(SOURCES)
-        if unknown or not self.queries:
-            problems.append(f"unknown query sources {sorted(unknown)}; available: {list(SOURCES)}")
-        if self.on_policy and not set(self.queries) & set(CONTINUATIONS):
-            problems.append(f"on_policy needs a continuation query source ({', '.join(CONTINUATIONS)})")
-        if self.on_policy and (self.chunk_tokens or self.budgets == "global_model"):
-            problems.append(
-                "on_policy compacts layer by layer: it cannot be combined with chunk_tokens or global_model"
+            raise KVResearchError(f"method {self.name}: keep_ratio must lie in (0, 1], got {self.keep_ratio}.")
+        if self.queries.on_policy and (self.budgets.chunk_tokens or self.budgets.heads == "global_model"):
+            raise KVResearchError(
+                f"method {self.name}: queries.on_policy compacts layer by layer: it cannot be combined with "
+                "budgets.chunk_tokens or budgets.heads=global_model."
             )
-        if self.span not in ("article", "all"):
-            problems.append(f"span must be 'article' or 'all', got {self.span!r}")
-        if self.chunk_tokens is not None and self.chunk_tokens < 1:
-            problems.append(f"chunk_tokens must be >= 1 or null, got {self.chunk_tokens}")
-        if self.work_dtype not in WORK_DTYPES:
-            problems.append(f"work_dtype must be float32 or float64, got {self.work_dtype!r}")
-        if self.reduce not in ("rms", "max", "mean"):
-            problems.append(f"reduce must be rms, max or mean, got {self.reduce!r}")
-        if not 0 <= self.holdout < 1:
-            problems.append(f"holdout must lie in [0, 1), got {self.holdout}")
-        if problems:
-            raise KVResearchError(f"method {self.name}: " + "; ".join(problems) + ".")
-        if self.beta_bounds is not None:
-            self.beta_bounds = [float(self.beta_bounds[0]), float(self.beta_bounds[1])]
-        self.study = SelfStudy(**dict(self.self_study or {}))
-        self.budgets_run = self.budgets.run if isinstance(self.budgets, head_budgets.BudgetFile) else None
-        if isinstance(self.budgets, head_budgets.BudgetFile):
-            self.budgets = self.budgets.path
-        self.shares = (
-            head_budgets.load_shares(self.budgets) if self.budgets and self.budgets not in GLOBAL_BUDGETS else None
-        )
-        self.decoding = DecodingBudget.of(self.decoding, recompress=True)
+        heads = self.budgets.heads
+        self.budgets_run = heads.run if isinstance(heads, head_budgets.BudgetFile) else None
+        self.shares = None
+        if self.budgets.measured:
+            path = heads.path if isinstance(heads, head_budgets.BudgetFile) else str(heads)
+            self.shares = head_budgets.load_shares(path)
+
+    @property
+    def keeps_template(self) -> bool:
+        """Whether the template tokens around the context stay as they are (``budgets.span: article``)."""
+        return bool(self.budgets.span == "article")
 
     @property
     def bounds(self) -> tuple[float, float]:
         """Bounds on w = exp(beta): the configured ones, or the reference code's for the key selection."""
-        if self.beta_bounds:
-            return (self.beta_bounds[0], self.beta_bounds[1])
-        return am.OMP_BOUNDS if self.keys == "omp" else am.HIGHEST_BOUNDS
-
-    @property
-    def omp(self) -> dict[str, Any]:
-        """Keyword arguments of ``am.omp_keys``."""
-        return {
-            "keys_per_step": self.omp_keys_per_step,
-            "refit_every": self.omp_refit_every,
-            "drop_below": self.omp_drop_below,
-            "progressive": self.omp_progressive,
-        }
+        if self.fit.beta_bounds:
+            return (self.fit.beta_bounds[0], self.fit.beta_bounds[1])
+        return am.OMP_BOUNDS if self.keys.select == "omp" else am.HIGHEST_BOUNDS
 
     def size(self, n: int) -> int:
         """Uniform budget of a block of n entries: ``int(keep_ratio * n)``, at least 1 (the reference's floor)."""
@@ -169,25 +131,25 @@ class AttentionMatching(Method):
         t = self.size(k.shape[0]) if t is None else t
         self.head_timings = {}
         start = time.perf_counter()
-        b = am.block(q, k, v, scaling, WORK_DTYPES[self.work_dtype])  # E and the targets, shared by every step
+        b = am.block(q, k, v, scaling, self.fit.dtype)  # E and the targets, shared by every step
         start = self._timed("block_s", start)
         beta: torch.Tensor | None = None
-        if self.keys == "omp":
-            idx, beta = am.omp_keys(b, t, bounds=self.bounds, **self.omp)
-        elif self.keys == "kvzip":
+        if self.keys.select == "omp":
+            idx, beta = am.omp_keys(b, t, bounds=self.bounds, **self.keys.omp)
+        elif self.keys.select == "kvzip":
             if key_scores is None:
                 raise KVResearchError(f"method {self.name}: keys=kvzip needs the KVzip+ scores of the block.")
             idx = key_scores.topk(min(t, len(key_scores))).indices.sort().values
         else:
-            idx = am.highest_attention_keys(b, t, self.reduce)
+            idx = am.highest_attention_keys(b, t, self.keys.reduce)
         start = self._timed("keys_s", start)
-        if not self.fit_beta:
+        if not self.fit.beta:
             beta = torch.zeros(len(idx), dtype=torch.float64)
         elif beta is None:
             beta = am.fit_beta(b, idx, self.bounds)
         start = self._timed("beta_s", start)
         ck = k[idx]
-        values = am.fit_values(b, q, ck, beta, scaling, self.ridge) if self.fit_values else v[idx].to(torch.float64)
+        values = am.fit_values(b, q, ck, beta, scaling, self.fit.ridge) if self.fit.values else v[idx].to(torch.float64)
         self._timed("values_s", start)
         return am.Compacted(idx, ck, beta, values)
 
@@ -203,25 +165,25 @@ class AttentionMatching(Method):
         """Queries, one dense prefill, every global layer's heads compacted on the span (see the module docstring)."""
         self.timings, self._report, self._errors = {}, {}, {}
         start = time.perf_counter()
-        want_context = "context" in self.queries or "random" in self.queries
+        want_context = "context" in self.queries.sources or "random" in self.queries.sources
         prefill, context_q = prefill_with_queries(session, prompt.context_ids, want_context)
-        fixed = fixed_queries(context_q, self.queries, self.seed)
+        fixed = fixed_queries(context_q, self.queries.sources, self.queries.seed)
         n = prompt.context_ids.shape[1]
-        span = prompt.article if self.span == "article" else slice(0, n)
+        span = prompt.article if self.budgets.span == "article" else slice(0, n)
         if span.stop - span.start < 1:
             raise KVResearchError(f"method {self.name}: the prompt has no context tokens to compact.")
-        step = self.chunk_tokens or (span.stop - span.start)
+        step = self.budgets.chunk_tokens or (span.stop - span.start)
         chunks = [slice(s, min(s + step, span.stop)) for s in range(span.start, span.stop, step)]
         study = (
-            self_study_continuations(session, prompt, prefill.cache, self.study, self.seed)
-            if "self_study" in self.queries
+            self_study_continuations(session, prompt, prefill.cache, self.queries.self_study, self.queries.seed)
+            if "self_study" in self.queries.sources
             else []
         )
         self.timings["queries_s"] = time.perf_counter() - start
-        kvzip = self._kvzip(session, prompt, prefill) if self.keys == "kvzip" else None
+        kvzip = self._kvzip(session, prompt, prefill) if self.keys.select == "kvzip" else None
         globals_ = [i for i, spec in enumerate(session.adapter.layers) if spec.sliding_window is None]
         out = prefill.ragged()
-        if self.on_policy:
+        if self.queries.on_policy:
             entries = self._on_policy(session, prompt, prefill, span, fixed, study, globals_, kvzip)
         else:
             pieces: dict[int, list[list[tuple[slice, am.Compacted]]]] = {
@@ -230,7 +192,7 @@ class AttentionMatching(Method):
             for chunk in chunks:
                 queries = self._suffix_queries(session, prompt, prefill, chunk, study, fixed)
                 sizes = None
-                if self.budgets == "global_model":
+                if self.budgets.heads == "global_model":
                     sizes = self._global_model_sizes(prefill, queries, chunk, globals_, session)
                 for i in globals_:
                     for h, piece in enumerate(
@@ -247,7 +209,7 @@ class AttentionMatching(Method):
         return out
 
     def _suffix(self, session: Session, prompt: Prompt, chunk: slice, study: list[torch.Tensor]) -> torch.Tensor | None:
-        pieces = ([repeat_continuation(session, prompt, chunk)] if "repeat" in self.queries else []) + study
+        pieces = ([repeat_continuation(session, prompt, chunk)] if "repeat" in self.queries.sources else []) + study
         return torch.cat(pieces, dim=1) if pieces else None
 
     def _suffix_queries(
@@ -319,8 +281,8 @@ class AttentionMatching(Method):
             all_heads = [(i, h) for i in range(layers) for h in range(heads) if (i, h) in self.shares]
             sizes = budgets.sizes_from_shares(self.shares, all_heads, float(self.keep_ratio or 0), n)
             return [sizes[k] for k in keys]
-        if self.budgets == "global_layer" and blocks is not None:
-            scores = {(index, h): am.key_scores(b, self.reduce) for h, b in enumerate(blocks)}
+        if self.budgets.heads == "global_layer" and blocks is not None:
+            scores = {(index, h): am.key_scores(b, self.keys.reduce) for h, b in enumerate(blocks)}
             sizes = budgets.sizes_from_scores(scores, float(self.keep_ratio or 0))
             return [sizes[(index, h)] for h in range(heads)]
         return [self.size(n)] * heads
@@ -339,14 +301,14 @@ class AttentionMatching(Method):
         spec = session.adapter.layers[index]
         keys, values = self._block(prefill, index, chunk)
         heads, group = keys.shape[0], session.adapter.group_size
-        qs = [pooled(layer_q, h, group, self.max_queries, self.seed + h) for h in range(heads)]
-        n_test = [int(self.holdout * q.shape[0]) for q in qs]
+        qs = [pooled(layer_q, h, group, self.queries.max_per_head, self.queries.seed + h) for h in range(heads)]
+        n_test = [int(self.queries.holdout * q.shape[0]) for q in qs]
         blocks = (
             [
-                am.block(q[nt:], keys[h], values[h], spec.scaling, WORK_DTYPES[self.work_dtype])
+                am.block(q[nt:], keys[h], values[h], spec.scaling, self.fit.dtype)
                 for h, (q, nt) in enumerate(zip(qs, n_test, strict=True))
             ]
-            if self.budgets == "global_layer"
+            if self.budgets.heads == "global_layer"
             else None
         )
         n_global = sum(1 for s in session.adapter.layers if s.sliding_window is None)
@@ -374,10 +336,10 @@ class AttentionMatching(Method):
         for i in layers:
             keys, values = self._block(prefill, i, chunk)
             for h in range(keys.shape[0]):
-                q = pooled(queries[i], h, group, self.max_queries, self.seed + h)
-                q = q[int(self.holdout * q.shape[0]) :]
-                b = am.block(q, keys[h], values[h], session.adapter.layers[i].scaling, WORK_DTYPES[self.work_dtype])
-                scores[(i, h)] = am.key_scores(b, self.reduce)
+                q = pooled(queries[i], h, group, self.queries.max_per_head, self.queries.seed + h)
+                q = q[int(self.queries.holdout * q.shape[0]) :]
+                b = am.block(q, keys[h], values[h], session.adapter.layers[i].scaling, self.fit.dtype)
+                scores[(i, h)] = am.key_scores(b, self.keys.reduce)
         return budgets.sizes_from_scores(scores, float(self.keep_ratio or 0))
 
     def _kvzip(self, session: Session, prompt: Prompt, prefill: Prefill) -> list[torch.Tensor]:

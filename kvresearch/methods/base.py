@@ -7,9 +7,12 @@ cache)`` wraps generation (a no-op unless the method also prunes while decoding)
 the run records about it; ``report()`` holds per-sample extras (timings, reconstruction errors).
 
 The budget knob is the same for every method: ``keep_ratio``, the share of the context's KV entries
-kept (None: the method's own rule, e.g. KVzap's threshold, or no compression). Methods with a second
-knob (KVzap's ``threshold``) take exactly one of the two. Options are checked when the method is built,
-before any model is loaded.
+kept (None: the method's own rule, e.g. KVzap's threshold, or no compression); tables plot the measured
+prune ratio (1 - the share kept). Methods with a second knob (KVzap's ``threshold``) take exactly one of
+the two. Compression while generating is one option of one type for every method, ``decoding``
+(:class:`DecodingBudget`: null, true or {interval, target_size, protect}); a method names the
+fields it reads in ``decoding_fields`` (None: it cannot compress while decoding). Options are checked when
+the method is built, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -44,16 +47,82 @@ def jsonable(value: Any) -> Any:
     return str(value) if isinstance(value, torch.dtype) else type(value).__name__
 
 
+@dataclass(frozen=True)
+class DecodingBudget:
+    """How often and down to what a cache is compressed while generating: one type for every method.
+
+    Every method's ``decoding`` option is this type, written the same way in every YAML: ``null`` (no
+    compression while decoding), ``true`` (the defaults below) or a mapping of some of the fields. A method
+    reads the fields it names in ``decoding_fields`` (the rest are None): KVzip+ and Attention Matching all
+    three, the kvpress presses ``interval`` and ``target_size`` (kvpress's DecodingPress has no protected
+    tail), KVzap none (its threshold rule runs at every step; ``max_entries`` is its size budget).
+    """
+
+    interval: int | None = 512  # decoding steps between compressions
+    target_size: int | None = 2048  # entries per KV head after a compression
+    protect: int | None = 20  # the most recent tokens, never compressed (re-compression; the AM code's default)
+
+    @classmethod
+    def of(cls, value: Any, method: str, fields: tuple[str, ...] | None) -> DecodingBudget | None:
+        """The budget from a config value (None/false: none; true: defaults; a mapping) for a method reading ``fields``.
+
+        Raises:
+            KVResearchError: the method cannot compress while decoding (``fields`` is None), a field it does not
+                read was given, a size is not positive, or ``protect`` leaves nothing to compress.
+        """
+        if value is None or value is False:
+            return None
+        if fields is None:
+            raise KVResearchError(f"method {method} does not compress while decoding: set method.decoding=null.")
+        if value is True:
+            given: dict[str, Any] = {}
+        elif isinstance(value, DecodingBudget):
+            given = {f: getattr(value, f) for f in fields}
+        elif hasattr(value, "items"):
+            given = {str(k): v for k, v in value.items()}
+        else:
+            raise KVResearchError(
+                f"method {method}: decoding must be null, true or a mapping of {list(FIELDS)}, got {value!r}."
+            )
+        unread = sorted(set(given) - set(fields))
+        if unread:
+            reads = ", ".join(fields) if fields else "none of them (decoding: true turns it on)"
+            raise KVResearchError(
+                f"method {method}: decoding.{unread[0]} is not read by this method; of {list(FIELDS)} it reads {reads}."
+            )
+        defaults = cls()
+        budget = cls(**{f: given.get(f, getattr(defaults, f)) if f in fields else None for f in FIELDS})
+        sizes = {"interval": 1, "target_size": 1, "protect": 0}
+        low = [f"{f}={v}" for f, least in sizes.items() if (v := getattr(budget, f)) is not None and v < least]
+        if low:
+            raise KVResearchError(
+                f"method {method}: decoding needs interval >= 1, target_size >= 1 and protect >= 0, got "
+                f"{', '.join(low)}."
+            )
+        if budget.protect is not None and budget.target_size is not None and budget.protect >= budget.target_size:
+            raise KVResearchError(
+                f"method {method}: decoding.protect ({budget.protect}) must be below target_size "
+                f"({budget.target_size}), or nothing but the protected tokens would be left after a re-compression."
+            )
+        return budget
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(DecodingBudget))
+
+
 @dataclass(kw_only=True)
 class Method:
     """Base of every compression method (see the module docstring)."""
 
     name: str
     keep_ratio: float | None = None
+    decoding: Any = None  # DecodingBudget: null | true | {interval, target_size, protect} (those the method reads)
     lossless: ClassVar[bool] = False  # True only for the full cache, whose answers are their own reference
+    decoding_fields: ClassVar[tuple[str, ...] | None] = None  # the DecodingBudget fields read; None: no decoding
 
     def __post_init__(self) -> None:
         """Check the options; subclasses extend this and call it."""
+        self.decoding = DecodingBudget.of(self.decoding, self.name, self.decoding_fields)
         if self.keep_ratio is not None and not 0.0 <= float(self.keep_ratio) <= 1.0:
             raise KVResearchError(
                 f"method {self.name}: keep_ratio must lie in [0, 1] (the share of KV entries kept), got "

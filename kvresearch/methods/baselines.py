@@ -12,7 +12,6 @@ from typing import Any
 
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method
-from kvresearch.methods.decoding import DecodingBudget
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.presses import decoding_press, press_prefill
 from kvresearch.models.session import Session
@@ -27,12 +26,11 @@ class KVPress(Method):
     name: str = "kvpress"
     press: Any
     attn_implementation: str | None = None  # e.g. "eager" for presses that read attention weights
-    decoding: Any = None  # {interval, target_size}: kvpress's DecodingPress around the press while generating
+    decoding_fields = ("interval", "target_size")  # kvpress's DecodingPress around the press while generating
 
     def __post_init__(self) -> None:
         """Hand the keep ratio to the press as kvpress's compression ratio; check the decoding budget."""
         super().__post_init__()
-        self.decoding = DecodingBudget.of(self.decoding)
         if self.decoding is not None:
             self._decoding_press()  # refused now, not after the prefill, if the press cannot decode
         if self.keep_ratio is None:

@@ -1,8 +1,9 @@
 """Compression while decoding for methods that compress a whole context (KVzip+, Attention Matching).
 
-``DecodingBudget``: every ``interval`` decoding steps, a cache whose largest KV head holds more than
-``target_size`` entries is re-compressed back to ``target_size`` entries per head (kvpress's
-``DecodingPress`` contract: between compressions the cache holds at most ``target_size + interval - 1``).
+``DecodingBudget`` (``methods/base.py``, the one type of every method's ``decoding`` option): every
+``interval`` decoding steps, a cache whose largest KV head holds more than ``target_size`` entries is
+re-compressed back to ``target_size`` entries per head (kvpress's ``DecodingPress`` contract: between
+compressions the cache holds at most ``target_size + interval - 1``).
 
 Re-compression follows the Attention Matching code's reasoning experiment: everything but the last
 ``protect`` tokens is compressed by the method, the protected tokens stay as they are. The method
@@ -19,46 +20,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvresearch.errors import KVResearchError
+from kvresearch.methods.base import DecodingBudget, Method
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import model_calls
 from kvresearch.models.session import Session
 from kvresearch.prompts import Prompt
-
-if TYPE_CHECKING:
-    from kvresearch.methods.base import Method
-
-
-@dataclass(frozen=True)
-class DecodingBudget:
-    """How often and down to what a cache is compressed while generating (see the module docstring)."""
-
-    interval: int = 512  # decoding steps between compressions
-    target_size: int = 2048  # entries per KV head after a compression
-    protect: int = 20  # the most recent tokens, never compressed (re-compression; the AM code's default)
-
-    def __post_init__(self) -> None:
-        """Positive sizes."""
-        if self.interval < 1 or self.target_size < 1 or self.protect < 0:
-            raise KVResearchError(
-                f"method.decoding needs interval >= 1, target_size >= 1 and protect >= 0, got {self}."
-            )
-
-    @classmethod
-    def of(cls, value: Any, recompress: bool = False) -> DecodingBudget | None:
-        """From a config mapping (None: no compression while decoding); ``recompress``: protect must fit."""
-        budget = value if value is None or isinstance(value, DecodingBudget) else cls(**dict(value))
-        if recompress and budget is not None and budget.protect >= budget.target_size:
-            raise KVResearchError(
-                f"method.decoding: protect ({budget.protect}) must be below target_size ({budget.target_size}), "
-                "or nothing but the protected tokens would be left after a re-compression."
-            )
-        return budget
 
 
 def remember_prompt(cache: RaggedCache, prompt: Prompt) -> None:
@@ -78,8 +49,9 @@ def recompress(method: Method, session: Session, cache: RaggedCache, budget: Dec
     seen = cache.get_seq_length()
     if len(history) != seen:
         raise KVResearchError(f"re-compression: {len(history)} token ids recorded for {seen} positions.")
+    assert budget.protect is not None and budget.target_size is not None  # read by every re-compressing method
     cut = seen - budget.protect
-    kept = cache.method_state["head_len"] if getattr(method, "span", None) == "article" else 0  # AM keeps the template
+    kept = cache.method_state["head_len"] if getattr(method, "keeps_template", False) else 0  # AM on the article span
     ratio = min(1.0, max(budget.target_size - budget.protect - kept, 1) / max(cut - kept, 1))
     prefix = Prompt(torch.tensor([history[:cut]]), torch.zeros(1, 0, dtype=torch.long), cache.method_state["head_len"])
     changes: dict[str, Any] = {"keep_ratio": ratio, "decoding": None}
@@ -110,9 +82,9 @@ def recompressing(method: Method, session: Session, cache: RaggedCache, budget: 
         if state["busy"] or ids.shape[1] != 1:  # the question, fed in one call, is not a decoding step
             return
         state["steps"] += 1
-        if state["steps"] >= budget.interval:
+        if state["steps"] >= (budget.interval or 1):
             state["steps"] = 0
-            if _largest_head(cache) > budget.target_size:
+            if _largest_head(cache) > (budget.target_size or 0):
                 state["busy"] = True
                 try:
                     recompress(method, session, cache, budget)

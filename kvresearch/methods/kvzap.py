@@ -12,6 +12,8 @@ change, so the survivors are at every step the top-scored of the tokens that hav
 
 ``keep_ratio`` instead of ``threshold``: score every context token from a dense prefill and keep the top
 share per head, layer or globally (``scope``), the window protected, for comparisons at a matched ratio.
+With ``calibrate: true`` the keep ratio is reached on average instead, by one threshold calibrated on
+held-out contexts (the paper's way: the threshold rule, in prefill and decoding, at a measured ratio).
 
 A surrogate with ``context`` inputs (``surrogate=mlp_context``) also reads the token's value-output norms,
 position, in-context count rates and the context's length (``kvresearch.surrogate.context``): the pruner
@@ -142,10 +144,10 @@ class KVzap(Method):
     threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
     scope: str = "head"  # for keep_ratio: head | layer | global
     window: int = 128
-    decoding: bool = False  # keep pruning while generating (threshold mode)
     max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
     chunk_size: int | None = None  # prefill chunk; bounds peak memory by chunk + kept cache
-    calibrate_to: float | None = None  # target prune ratio: the threshold is calibrated on held-out contexts
+    calibrate: bool = False  # keep_ratio reached on average by one threshold calibrated on held-out contexts
+    decoding_fields = ()  # the threshold rule at every step: no schedule to set, only on (decoding: true) or off
     _scoring_s: float = field(default=0.0, init=False, repr=False)
     _calibration: Calibration | None = field(default=None, init=False, repr=False)
 
@@ -157,15 +159,15 @@ class KVzap(Method):
             raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
         if self.window < 0:
             raise KVResearchError(f"method {self.name}: window must be >= 0, got {self.window}.")
-        if (self.decoding or self.max_entries is not None) and self.threshold is None:
+        if self.calibrate and (self.keep_ratio is None or not 0 < self.keep_ratio <= 1):
             raise KVResearchError(
-                f"method {self.name}: decoding=true and max_entries prune by threshold; set method.threshold "
-                "and method.keep_ratio=null."
+                f"method {self.name}: calibrate=true sets the threshold that keeps keep_ratio of held-out contexts "
+                f"on average; set method.keep_ratio in (0, 1] (got {self.keep_ratio})."
             )
-        if self.calibrate_to is not None and (self.threshold is None or not 0 <= self.calibrate_to < 1):
+        if (self.decoding or self.max_entries is not None) and self.threshold is None and not self.calibrate:
             raise KVResearchError(
-                f"method {self.name}: calibrate_to={self.calibrate_to} sets the threshold from a target prune ratio "
-                "in [0, 1); keep method.keep_ratio=null (the threshold mode)."
+                f"method {self.name}: decoding and max_entries prune by threshold; set method.threshold and "
+                "method.keep_ratio=null, or reach a keep ratio by a threshold with method.calibrate=true."
             )
         if self.max_entries is not None and self.max_entries <= self.window:
             raise KVResearchError(
@@ -174,9 +176,10 @@ class KVzap(Method):
             )
 
     def budget(self) -> str:
-        """``tau=<threshold>`` in threshold mode (with its calibration target), else the keep ratio."""
-        if self.calibrate_to is not None:
-            return f"prune {self.calibrate_to:g} (tau={self.threshold:.3f}, calibrated)"
+        """``tau=<threshold>`` in threshold mode, the keep ratio (with its calibrated threshold once set)."""
+        if self.calibrate:
+            tau = "not yet calibrated" if self.threshold is None else f"tau={self.threshold:.3f}"
+            return f"keep={self.keep_ratio:g} ({tau}, calibrated)"
         return f"tau={self.threshold:g}" if self.threshold is not None else super().budget()
 
     def scores(self, session: Session, context_ids: torch.Tensor) -> tuple[Prefill, list[torch.Tensor]]:
@@ -195,22 +198,22 @@ class KVzap(Method):
         return prefill, scores
 
     def needs_held_out(self) -> bool:
-        """Only a threshold calibrated to a target prune ratio (``calibrate_to``) needs held-out contexts."""
-        return self.calibrate_to is not None
+        """Only a threshold calibrated to the keep ratio (``calibrate``) needs held-out contexts."""
+        return self.calibrate
 
     def prepare(self, session: Session, held_out: list[Prompt]) -> dict[str, Any]:
-        """Calibrate the threshold on ``held_out`` (:meth:`calibrate`); the calibration as the run records it."""
-        return dataclasses.asdict(self.calibrate(session, held_out))
+        """Calibrate the threshold on ``held_out`` (:meth:`fit_threshold`); the calibration as the run records it."""
+        return dataclasses.asdict(self.fit_threshold(session, held_out))
 
-    def calibrate(self, session: Session, prompts: list[Prompt]) -> Calibration:
-        """Set the threshold to the one that prunes ``calibrate_to`` of ``prompts``' contexts on average.
+    def fit_threshold(self, session: Session, prompts: list[Prompt]) -> Calibration:
+        """Set the threshold to the one that keeps ``keep_ratio`` of ``prompts``' contexts on average.
 
         In one prefill call every token is scored from the same hidden states as in a dense prefill, so the
         scores here are the ones the threshold will meet (a chunked prefill sees a pruned cache and may differ).
         """
         self._check_fits(session)
-        if self.calibrate_to is None:
-            raise KVResearchError(f"method {self.name}: calibrate() needs method.calibrate_to.")
+        if not self.calibrate:
+            raise KVResearchError(f"method {self.name}: fit_threshold() needs method.calibrate=true.")
         eligible, entries = [], []
         weights = hashlib.sha1(
             b"".join(p.detach().float().cpu().numpy().tobytes() for p in self.surrogate.parameters())
@@ -229,7 +232,7 @@ class KVzap(Method):
             got = session.memo.get_or_compute(key, held_out) if session.memo is not None else held_out()
             eligible.append(got["eligible"])
             entries.append(int(got["entries"][0]))
-        self._calibration = calibrate_threshold(eligible, entries, float(self.calibrate_to))
+        self._calibration = calibrate_threshold(eligible, entries, round(1.0 - float(self.keep_ratio or 0), 10))
         self.threshold = self._calibration.threshold
         return self._calibration
 
@@ -251,10 +254,10 @@ class KVzap(Method):
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
         """Threshold mode: chunked prefill with the pruner attached; keep_ratio mode: scores of a dense prefill."""
         self._check_fits(session)
-        if self.calibrate_to is not None and self._calibration is None:
+        if self.calibrate and self._calibration is None:
             raise KVResearchError(
-                f"method {self.name}: calibrate_to={self.calibrate_to} needs held-out contexts, which only the "
-                "evaluate stage gives; elsewhere set method.threshold (an evaluate run records its calibrated one)."
+                f"method {self.name}: calibrate=true needs held-out contexts, which only the evaluate stage gives; "
+                "elsewhere set method.threshold (an evaluate run records its calibrated one)."
             )
         if self.threshold is not None:
             cache = session.new_cache()
@@ -266,7 +269,7 @@ class KVzap(Method):
         return cache_from_scores(prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
-        """With ``decoding: true``, the pruner stays attached while generating."""
+        """With ``decoding`` on, the pruner stays attached while generating."""
         return self.pruner().attach(session.adapter, cache) if self.decoding else nullcontext()
 
     def inputs(self) -> tuple[str, ...]:

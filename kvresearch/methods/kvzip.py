@@ -16,7 +16,7 @@ import torch
 from kvresearch.capture import chunked_oracle_scores
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.base import Method, cache_from_scores
-from kvresearch.methods.decoding import DecodingBudget, recompressing, remember_prompt
+from kvresearch.methods.decoding import recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session
 from kvresearch.ops.selection import SCOPES
@@ -33,13 +33,12 @@ class KVzip(Method):
     scope: str = "global"  # for keep_ratio: head | layer | global
     chunk_size: int = 2048
     window: int = 0  # most recent tokens always kept
-    decoding: Any = None  # {interval, target_size, protect}: re-compression while generating (methods/decoding.py)
+    decoding_fields = ("interval", "target_size", "protect")  # re-compression while generating (methods/decoding.py)
 
     def __post_init__(self) -> None:
         """Exactly one budget and a known scope."""
         super().__post_init__()
         self.require_one("threshold")
-        self.decoding = DecodingBudget.of(self.decoding, recompress=True)
         if self.scope not in SCOPES:
             raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
 

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kvresearch.errors import KVResearchError
+from kvresearch.runs import migrate
 from kvresearch.runs.compose import today
 from kvresearch.runs.naming import repo_root
 from kvresearch.runs.records import done_stamp
@@ -132,6 +133,7 @@ def stored_changes(
     ``stored_checkout``: the checkout the run ran in (its absolute paths compare relative to it);
     ``unknown_ok``: see :func:`inputs_changed`.
     """
+    stored = migrate.config(dict(stored))[0]  # options renamed since compare under today's names
     now = resolved(cfg)
     root = str(now.get("paths", {}).get("root", cfg.paths.root))
     stored_roots = {"outputs": str((stored.get("paths") or {}).get("root", "")), "checkout": stored_checkout}

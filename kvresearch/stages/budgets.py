@@ -2,7 +2,7 @@
 
 ``python -m kvresearch.stages.budgets`` (``make stage-budgets``) writes ``budgets.json`` ({"L{layer}H{kv_head}":
 share}, the reference's format) and ``sensitivities.json`` into its run folder; compaction then takes
-``method.budgets=<run folder>/budgets.json``. See ``kvresearch/budget_search.py`` for the procedure.
+``method.budgets.heads=<run folder>/budgets.json``. See ``kvresearch/budget_search.py`` for the procedure.
 """
 
 from __future__ import annotations
