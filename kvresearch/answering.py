@@ -125,6 +125,7 @@ class Answer:
     text: str
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[float] | None = None  # of each token where it was generated (None: not generated)
 
 
 @torch.no_grad()
@@ -166,10 +167,10 @@ def respond(
     text = session.tokenizer.decode(tokens, skip_special_tokens=True)
     extra = {"stop_reason": out.stop_reason, **out.kv.as_record()}
     if question.followup is None:
-        return Answer(tokens, text, seconds, extra)
+        return Answer(tokens, text, seconds, extra, out.logprobs)
     # A chain of thought is answered in a second step without the document (LongBench v2's 0shot_cot_ans).
     second = build_prompt(session.tokenizer, "", question.followup.replace("$COT$", text.strip()))
     final = dense_answer(session, second, FOLLOWUP_TOKENS)
     final_text = session.tokenizer.decode(final.token_ids, skip_special_tokens=True)
     extra["chain_of_thought"] = text
-    return Answer(tokens, final_text, seconds + final.prefill_s + final.decode_s, extra)
+    return Answer(tokens, final_text, seconds + final.prefill_s + final.decode_s, extra, out.logprobs)

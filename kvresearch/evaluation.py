@@ -215,7 +215,7 @@ def evaluate(
             if settings.fidelity and settings.sampling.greedy:  # fidelity compares greedy answers
                 ref, source = _full_answer(session, method, full_cache, prompt, question, settings, record, reference)
                 record["agrees_with_full"] = answer.tokens == ref
-                record["full_answer_nll"] = session.answer_nll(cache, prompt.question_ids, ref)
+                record["full_answer_nll"] = full_answer_nll(session, method, cache, prompt, answer, ref)
                 record["full_answer_from"] = source
             predictions.append(record)
             done[record["id"]] = record
@@ -232,6 +232,20 @@ def evaluate(
     if tracker is not None:
         tracker.table("predictions", TABLE_COLUMNS, [[r.get(c) for c in TABLE_COLUMNS] for r in records])
     return records
+
+
+def full_answer_nll(
+    session: Session, method: Method, cache: RaggedCache, prompt: Prompt, answer: Answer, ref: list[int]
+) -> float:
+    """NLL per token of the full cache's answer ``ref`` under ``cache``.
+
+    When the method's own answer is ``ref`` and the cache did not change while generating, that is the mean of
+    the log-probabilities the generation already computed (the same quantity, one token at a time, so equal
+    up to rounding); otherwise one teacher-forced pass over the question and ``ref``.
+    """
+    if answer.logprobs is not None and answer.tokens == ref and method.decoding is None:
+        return -sum(answer.logprobs) / len(ref) if ref else float("nan")
+    return session.answer_nll(cache, prompt.question_ids, ref)
 
 
 def score(sample: Sample, question: Question, answer: Answer) -> float:

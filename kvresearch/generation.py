@@ -127,12 +127,16 @@ class KVTrace:
 
 @dataclass
 class Generated:
-    """One generation: its tokens (the stop string's tokens included), why it stopped, seconds, KV bytes."""
+    """One generation: its tokens (the stop string's tokens included), why it stopped, seconds, KV bytes.
+
+    ``logprobs``: the model's log-probability of each returned token where it was chosen (before any warping).
+    """
 
     tokens: list[int]
     stop_reason: str
     seconds: float
     kv: KVTrace
+    logprobs: list[float] = field(default_factory=list)
 
 
 class StopStrings:
@@ -176,6 +180,7 @@ def generate(
     device = next(model.parameters()).device
     generator = sampling.generator(sample, device)
     tokens: list[int] = []
+    logprobs: list[float] = []
     trace, reason = KVTrace(), "length"
     start = time.perf_counter()
     logits = model(input_ids=input_ids.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -186,6 +191,7 @@ def generate(
             reason = "eos"
             break
         tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits[0, -1].double(), dim=-1)[token]))
         if stop is not None and stop.hit(tokens):
             reason = "stop"
             break
@@ -195,7 +201,7 @@ def generate(
         logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
         trace.observe(cache)
     trace.finish(cache)
-    return Generated(tokens, reason, time.perf_counter() - start, trace)
+    return Generated(tokens, reason, time.perf_counter() - start, trace, logprobs)
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ from transformers import DynamicCache
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
 from kvresearch.models.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
-from kvresearch.ops.attention import _fresh_prefill_rows, dense_reference, ragged_attention
+from kvresearch.ops import attention
+from kvresearch.ops.attention import dense_reference, ragged_attention, uniform_stride
 from tests.helpers import tiny_family
 
 pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)
@@ -52,8 +53,21 @@ def test_ragged_attention_equals_dense_brute_force(window) -> None:
     torch.testing.assert_close(ours.double(), dense_reference(q, k, v, bias, visible, 0.3), rtol=1e-5, atol=1e-6)
 
 
+def calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every sdpa call ``ragged_attention`` makes from now on."""
+    seen: list[dict] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append({"causal": kwargs.get("is_causal", False), "mask": kwargs.get("attn_mask") is not None})
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize("window", [None, 64, 5])
-def test_fresh_prefill_takes_the_causal_path_and_agrees_with_brute_force(window) -> None:
+def test_fresh_prefill_takes_the_causal_path_and_agrees_with_brute_force(window, monkeypatch) -> None:
     g = torch.Generator().manual_seed(1)
     hq, hkv, n, d = 4, 2, 12, 8
     k, v, q = (
@@ -61,17 +75,51 @@ def test_fresh_prefill_takes_the_causal_path_and_agrees_with_brute_force(window)
         torch.randn(hkv, n, d, generator=g),
         torch.randn(hq, n, d, generator=g),
     )
-    pos = [torch.arange(n)] * hkv
-    args = packed(list(k), list(v), [torch.zeros(n)] * hkv, pos)
-    assert (_fresh_prefill_rows(torch.arange(n), args[2], args[3], args[4], args[5], window) is not None) == (
-        window != 5
-    )
+    args = packed(list(k), list(v), [torch.zeros(n)] * hkv, [torch.arange(n)] * hkv)
+    seen = calls(monkeypatch)
+    ours = ragged_attention(q, torch.arange(n), *args, 0.3, window=window).double()
+    assert seen == [{"causal": window != 5, "mask": window == 5}]  # one call for all heads; a cut window masks
     delta = torch.arange(n)[:, None] - torch.arange(n)[None]
     visible = ((delta >= 0) if window is None else (delta >= 0) & (delta < window)).expand(hkv, n, n)
     expected = dense_reference(q, k, v, torch.zeros(hkv, n), visible, 0.3)
-    torch.testing.assert_close(
-        ragged_attention(q, torch.arange(n), *args, 0.3, window=window).double(), expected, rtol=1e-5, atol=1e-6
-    )
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["full", "bias", "evicted", "window", "chunk"])
+def test_uniform_heads_attend_in_one_call_over_padded_buffers(case, monkeypatch) -> None:
+    """Heads with as many entries, at a stride wider than they hold (growth slack, garbage there): brute force."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, n, d, slack = 6, 3, 10, 8, 4
+    t = 3 if case == "chunk" else 1
+    k, v = torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, d, generator=g)
+    bias = torch.zeros(hkv, n)
+    if case == "bias":
+        bias = torch.randn(hkv, n, generator=g)
+    if case == "evicted":
+        bias[1, 2:5] = float("-inf")
+    pad = lambda x, fill: torch.cat([x, torch.full((hkv, slack, *x.shape[2:]), fill, dtype=x.dtype)], 1)
+    pos = torch.arange(n).expand(hkv, n)
+    packed_args = (pad(k, float("nan")).reshape(-1, d), pad(v, float("nan")).reshape(-1, d),
+                   pad(bias, float("-inf")).reshape(-1), pad(pos, 0).reshape(-1),
+                   torch.arange(hkv) * (n + slack), torch.full((hkv,), n))  # fmt: skip
+    assert uniform_stride(packed_args[4], packed_args[5]) == n + slack
+    q, q_pos = torch.randn(hq, t, d, generator=g), torch.arange(n - t, n) if case == "chunk" else torch.tensor([n])
+    window = 4 if case == "window" else None
+    seen = calls(monkeypatch)
+    ours = ragged_attention(q, q_pos, *packed_args, 0.3, window=window).double()
+    assert seen == [{"causal": False, "mask": case != "full"}]  # decoding from a full cache: no mask at all
+    delta = q_pos[:, None] - torch.arange(n)[None]
+    visible = ((delta >= 0) if window is None else (delta >= 0) & (delta < window)).expand(hkv, t, n).clone()
+    visible &= (bias > float("-inf"))[:, None, :]
+    torch.testing.assert_close(ours, dense_reference(q, k, v, bias.clamp(min=-1e9), visible, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_uniform_stride_reads_the_layout() -> None:
+    assert uniform_stride(torch.tensor([0, 8, 16]), torch.tensor([5, 5, 5])) == 8
+    assert uniform_stride(torch.tensor([0, 5, 10]), torch.tensor([5, 5, 4])) is None  # ragged
+    assert uniform_stride(torch.tensor([0, 6, 14]), torch.tensor([5, 5, 5])) is None  # uneven capacities
+    assert uniform_stride(torch.tensor([0]), torch.tensor([7])) == 7
+    assert uniform_stride(torch.tensor([0, 0]), torch.tensor([0, 0])) is None  # empty
 
 
 def test_query_with_every_entry_evicted_gets_zero() -> None:

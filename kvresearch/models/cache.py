@@ -70,6 +70,7 @@ class RaggedLayer(CacheLayerMixin):
         self.dead = torch.zeros(kv_heads, dtype=torch.long)
         self.hidden = torch.zeros(kv_heads, dtype=torch.long)  # kept entries dropped as out of the window
         self.seen = 0  # tokens ever appended: the sequence length the model sees
+        self.stride: int | None = None  # rows between heads when all hold as many entries in equal capacities
         self.new_positions = torch.empty(0, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -116,6 +117,9 @@ class RaggedLayer(CacheLayerMixin):
     ) -> None:
         """k, v: (kv_heads, T, d); positions (T,); bias (kv_heads, T) or None (zeros)."""
         n_new = k.shape[1]
+        if self.stride is not None and int(self.lengths[0]) + n_new <= self.stride:  # the uniform layout, room left
+            self._append_uniform(k, v, positions, bias)
+            return
         need = self.lengths + n_new
         if bool((need > self.caps).any()):  # grow by a quarter (at least 64 rows): <= 25% slack
             keep = self._reachable(int(positions.min()))
@@ -134,6 +138,34 @@ class RaggedLayer(CacheLayerMixin):
         self.lengths += n_new
         self.seen = max(self.seen, int(positions.max()) + 1)
         self.new_positions = positions
+        if n_new and self.stride is None and bool((self.caps == self.caps[0]).all()):
+            self.stride = self._uniform_stride()
+
+    def _append_uniform(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        """``append`` when every head holds as many entries at ``stride``: strided writes, no row indices."""
+        n_new, first = k.shape[1], int(self.lengths[0])
+        heads = len(self.caps)
+        view = lambda t: t.as_strided((heads, self.stride, *t.shape[1:]), (self.stride * t.stride(0), *t.stride()),
+                                      t.storage_offset())[:, first : first + n_new]  # fmt: skip
+        view(self.k).copy_(k)
+        view(self.v).copy_(v)
+        view(self.bias).copy_(0.0 if bias is None else bias.float())  # type: ignore[arg-type]
+        view(self.pos).copy_(positions.expand(heads, n_new))
+        self.lengths += n_new
+        self.seen = max(self.seen, int(positions.max()) + 1)
+        self.new_positions = positions
+
+    def _uniform_stride(self) -> int | None:
+        """``caps[0]`` when every head has that capacity and as many entries (the uniform layout), else None."""
+        if (
+            len(self.caps) == 0
+            or bool((self.caps != self.caps[0]).any())
+            or bool((self.lengths != self.lengths[0]).any())
+        ):
+            return None
+        return int(self.caps[0]) or None
 
     def _relayout(self, caps: torch.Tensor, keep: Sequence[torch.Tensor] | None) -> None:
         """Reallocate with per-head capacities ``caps``, copying all entries or only ``keep[h]`` (indices)."""
@@ -151,6 +183,7 @@ class RaggedLayer(CacheLayerMixin):
             lengths[h] = len(src)
         self.k, self.v, self.bias, self.pos = k, v, bias, pos
         self.starts, self.lengths, self.caps = starts, lengths, caps.clone()
+        self.stride = self._uniform_stride()
 
     def head_rows(self, h: int) -> torch.Tensor:
         """Buffer rows of head h's entries."""
@@ -361,7 +394,7 @@ def ragged_attention_forward(
 
         out = ragged_decode(*args, window=window)
     else:
-        out = ragged_attention(*args, window=window)
+        out = ragged_attention(*args, window=window, stride=layer.stride)
     return out.transpose(0, 1)[None], None  # (1, T, Hq, d)
 
 

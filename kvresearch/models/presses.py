@@ -54,26 +54,31 @@ def cache_positions(adapter: Any) -> Iterator[None]:
             handle.remove()
 
 
-def _row_bytes(x: torch.Tensor) -> list[bytes]:
-    """The bytes of each row of ``x`` (rows, d)."""
-    raw = x.detach().cpu().contiguous().view(torch.uint8).numpy()  # (rows, d * element size)
-    return [row.tobytes() for row in raw]
+def _row_hashes(x: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64: a hash of each row's bytes (rows of ``x`` (rows, d) that are bitwise equal hash equal)."""
+    raw = x.detach().contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+    pad = (-raw.shape[1]) % 8
+    words = torch.nn.functional.pad(raw, (0, pad)).view(torch.int64)  # (rows, words)
+    weights = torch.randint(1, 2**62, (words.shape[1],), generator=torch.Generator().manual_seed(0))
+    return (words * weights.to(words.device) | 1).sum(dim=1)  # wraps around: a hash, not a number
 
 
 def _positions_of(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     """Indices into ``original`` (T, d) of the rows of ``kept`` (n, d), which are copies of distinct rows of it.
 
-    A press gathers the rows it keeps, so each is a bitwise copy: they are looked up by their bytes, in
-    O(T d). Where that is not enough (a row not found bit for bit, or one whose bytes occur twice in
-    ``original``), :func:`_nearest_positions` decides, in O(n T d).
+    A press gathers the rows it keeps, so each is a bitwise copy: they are looked up by a hash of their bytes
+    (sorted and searched, O(T log T) in tensor operations), and the rows found are checked bit for bit. Where
+    that is not enough (a row not found, two original rows alike), :func:`_nearest_positions` decides, in O(n T d).
     """
-    if kept.dtype == original.dtype:
-        where: dict[bytes, int] = {}
-        for i, key in enumerate(_row_bytes(original)):
-            where[key] = -1 if key in where else i  # -1: the bytes occur more than once
-        rows = [where.get(key, -1) for key in _row_bytes(kept)]
-        if min(rows, default=0) >= 0 and len(set(rows)) == len(rows):
-            return torch.tensor(rows, dtype=torch.long, device=kept.device)
+    if kept.dtype == original.dtype and kept.shape[0] <= original.shape[0]:
+        hashes = _row_hashes(original)
+        order = hashes.argsort()
+        ranked = hashes[order]
+        found = torch.searchsorted(ranked, _row_hashes(kept)).clamp(max=len(ranked) - 1)
+        rows = order[found]
+        unique = bool((ranked[1:] != ranked[:-1]).all())
+        if unique and torch.equal(original[rows], kept) and rows.unique().numel() == rows.numel():
+            return rows
     return _nearest_positions(kept, original)
 
 
@@ -117,7 +122,7 @@ def press_prefill(
         model.set_attn_implementation(attn_implementation)
     try:
         with attention_calls(session.adapter, record), cache_positions(session.adapter), press(model):
-            model(input_ids=ids, past_key_values=dense, use_cache=True)
+            model(input_ids=ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)
     n = ids.shape[1]

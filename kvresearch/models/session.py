@@ -93,9 +93,8 @@ class Session:
         step = chunk_size or ids.shape[1]
         with ragged_attention_enabled(self.model):
             for start in range(0, ids.shape[1], step):
-                self.model(
-                    input_ids=ids[:, start : start + step].to(self.device), past_key_values=cache, use_cache=True
-                )
+                chunk = ids[:, start : start + step].to(self.device)
+                self.model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     def eos_ids(self) -> set[int]:
         """Token ids that end a generation."""

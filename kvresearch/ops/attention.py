@@ -23,25 +23,24 @@ def ragged_attention(
     lengths: torch.Tensor,
     scaling: float,
     window: int | None = None,
+    stride: int | None = None,
 ) -> torch.Tensor:
     """Attention output for queries q (q_heads, T, d) at positions q_pos (T,); returns (q_heads, T, d).
 
-    Computed per KV head in fp32 (or the input dtype if wider) by ``scaled_dot_product_attention`` with an
-    additive mask (bias, -inf where hidden); a query with no visible entry gets 0. A fresh prefill (every
-    head holds exactly the queries' own positions, no bias, no window cut) takes the causal kernel.
+    Computed in fp32 (or the input dtype if wider) by ``scaled_dot_product_attention`` with an additive
+    mask (bias, -inf where hidden); a query with no visible entry gets 0. When every KV head holds as many
+    entries at the same stride (the full cache, uniform budgets: :func:`uniform_stride`), all heads go in
+    one call over strided views of the packed buffers (no copy), without a mask when every entry is visible
+    and unbiased (decoding from a full cache) and with the causal kernel for a fresh prefill; otherwise one
+    call per KV head. ``stride``: the layout's, when the caller keeps it (else read from ``starts``/``lengths``).
     """
+    stride = stride if stride is not None else uniform_stride(starts, lengths)
+    if stride is not None:
+        return _uniform_attention(q, q_pos, keys, values, bias, pos, int(starts[0]), stride, starts.numel(),
+                                  int(lengths[0]), scaling, window)  # fmt: skip
     q_heads, n_q = q.shape[0], q.shape[1]
-    kv_heads = starts.numel()
-    group = q_heads // kv_heads
+    group = q_heads // starts.numel()
     dtype = torch.promote_types(q.dtype, torch.float32)
-    rows = _fresh_prefill_rows(q_pos, bias, pos, starts, lengths, window)
-    if rows is not None:
-        k = keys[rows].view(kv_heads, n_q, -1).to(dtype).repeat_interleave(group, 0)
-        v = values[rows].view(kv_heads, n_q, -1).to(dtype).repeat_interleave(group, 0)
-        out = F.scaled_dot_product_attention(
-            q.to(dtype)[None], k[None], v[None], is_causal=True, scale=scaling
-        )  # 4-D: flash
-        return out[0].to(q.dtype)
     out = torch.zeros(q_heads, n_q, values.shape[-1], dtype=dtype, device=q.device)
     for h, (start, n) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
         if n == 0:
@@ -61,26 +60,57 @@ def ragged_attention(
     return out.to(q.dtype)
 
 
-def _fresh_prefill_rows(
+def uniform_stride(starts: torch.Tensor, lengths: torch.Tensor) -> int | None:
+    """The row stride between KV heads when every head holds as many entries at ``starts[0] + h * stride``.
+
+    Read from the (CPU) layout alone; None when the heads differ (a ragged cache after uneven eviction).
+    """
+    heads = starts.numel()
+    if heads == 0 or int(lengths[0]) == 0 or bool((lengths != lengths[0]).any()):
+        return None
+    stride = int(starts[1] - starts[0]) if heads > 1 else int(lengths[0])
+    if stride < int(lengths[0]) or bool((starts != starts[0] + stride * torch.arange(heads)).any()):
+        return None
+    return stride
+
+
+def _uniform_attention(
+    q: torch.Tensor,
     q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     bias: torch.Tensor,
     pos: torch.Tensor,
-    starts: torch.Tensor,
-    lengths: torch.Tensor,
+    first: int,
+    stride: int,
+    kv_heads: int,
+    n: int,
+    scaling: float,
     window: int | None,
-) -> torch.Tensor | None:
-    """The packed rows (Hkv * T,) of a plain causal prefill, else None.
-
-    A plain prefill: each head holds exactly positions ``q_pos`` (sorted, contiguous), zero bias, no window cut.
-    """
-    n_q = q_pos.numel()
-    if bool((lengths != n_q).any()) or (window is not None and window < n_q):
-        return None
-    if n_q == 0 or int(q_pos[-1] - q_pos[0]) != n_q - 1 or bool((q_pos.diff() != 1).any()):
-        return None
-    rows = (starts[:, None] + torch.arange(n_q, device=starts.device)).reshape(-1)
-    fresh = bool((pos[rows].view(-1, n_q) == q_pos).all()) and not bool(bias[rows].any())
-    return rows if fresh else None
+) -> torch.Tensor:
+    """:func:`ragged_attention` when every head holds ``n`` entries, head h at rows ``first + h * stride``."""
+    q_heads, n_q = q.shape[0], q.shape[1]
+    group = q_heads // kv_heads
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    view = lambda t: t.as_strided((kv_heads, n, *t.shape[1:]), (stride * t.stride(0), *t.stride()),
+                                  t.storage_offset() + first * t.stride(0))  # fmt: skip
+    k, v, b, p = view(keys).to(dtype), view(values).to(dtype), view(bias), view(pos)  # (Hkv, n, d), (Hkv, n)
+    k4, v4 = (t[:, None].expand(kv_heads, group, n, t.shape[-1]) for t in (k, v))  # (Hkv, G, n, d), no copy
+    q4 = q.to(dtype).reshape(kv_heads, group, n_q, -1)
+    cut = window is not None and int(q_pos[-1]) - int(p.min()) >= window
+    unbiased = not bool(b.any())
+    if unbiased and not cut and n_q == n and bool((p == q_pos).all()):  # a fresh prefill: each query sees its past
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling)
+    elif unbiased and not cut and int(p.max()) <= int(q_pos[0]):  # everything visible: decoding from a full cache
+        out = F.scaled_dot_product_attention(q4, k4, v4, scale=scaling)
+    else:
+        delta = q_pos[None, :, None] - p[:, None, :]  # (Hkv, T, n)
+        hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
+        mask = b.to(dtype)[:, None, :].masked_fill(hidden, float("-inf"))  # (Hkv, T, n)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[:, None], scale=scaling)
+        blind = (mask == float("-inf")).all(dim=-1)  # (Hkv, T): nothing visible (hidden or evicted)
+        out = out.masked_fill(blind[:, None, :, None], 0.0)
+    return out.reshape(q_heads, n_q, -1).to(q.dtype)
 
 
 def dense_reference(
