@@ -63,7 +63,7 @@ report-%: $(STAMP) ## a report over finished runs: tables (every evaluate run), 
 study-%: $(STAMP) ## a surrogate study: surrogates (leave-one-source-out), probe, transfer (kvresearch/studies/; ARGS=--help)
 	$(PY) -m kvresearch.studies.$* $(ARGS)
 
-bench-%: $(STAMP) ## a benchmark against its reference, JSON in outputs/bench/: extract, kvzap, am, am_cost, windows, presses
+bench-%: $(STAMP) ## a benchmark against its reference, JSON in outputs/bench/: eval, extract, kvzap, am, am_cost, windows, presses
 	$(PY) -m kvresearch.bench.$* $(ARGS)
 
 compat: $(STAMP) ## the GPU image's versions (Python 3.12, torch 2.11, transformers 5.17) in .venv-compat: device check, then the compat tests

@@ -12,7 +12,10 @@ CPU, which the test suite runs so that this never rots), in order of priority:
    real eviction, and kvpress's DMSPress(KVzapPress) with the same surrogate and threshold (it only masks);
 4. ``extraction``: KVzip+ oracle rows/s (the double-pass prefill and the blocked scoring) at ``extract_tokens``;
 5. ``am``: AM-HighestAttnKeys and AM-OMP compaction time of one layer (every KV head, repeat queries) at
-   ``am_tokens``, keep 0.1.
+   ``am_tokens``, keep 0.1;
+6. ``eval``: per-sample seconds of the evaluate stage against kvpress's own pipeline on ``eval_samples`` RULER
+   samples at the first context (full cache, SnapKV at keep 0.5, KVzap-MLP against DMSPress(KVzapPress)),
+   predictions compared item by item (``kvresearch/speed.py``, as ``make bench-eval``).
 
 A step starts only while the time budget lasts; what does not fit is listed under ``cut``, with the reason.
 Writes ``device_check.json`` and ``device_check.md`` into ``--out``.
@@ -43,6 +46,7 @@ from kvresearch.device_steps import (
     random_surrogates,
     step_am,
     step_decode,
+    step_eval,
     step_extraction,
     step_kvzap,
     step_memory,
@@ -61,6 +65,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "new_tokens": 32,
         "extract_tokens": 8192,
         "am_tokens": 8192,
+        "eval_samples": 3,
         "budget_s": 420,
     },
     "tiny": {
@@ -72,6 +77,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "new_tokens": 3,
         "extract_tokens": 256,
         "am_tokens": 256,
+        "eval_samples": 1,
         "budget_s": 600,
     },
 }
@@ -147,6 +153,7 @@ def run(plan: dict[str, Any], out: Path) -> dict[str, Any]:
         ("memory", lambda: step_memory(session, plan, clock, taus)),
         ("extraction", lambda: step_extraction(session, plan, clock)),
         ("am", lambda: step_am(session, plan, clock)),
+        ("eval", lambda: step_eval(session, plan, taus)),
     ]
     device = (
         torch.cuda.get_device_name(session.device) if session.device.type == "cuda" else f"CPU ({platform.machine()})"

@@ -283,3 +283,56 @@ def step_am(session: Session, plan: dict[str, Any], clock: Clock) -> list[dict[s
         )
         print("[device_check] am", rows[-1], flush=True)
     return rows
+
+
+def step_eval(session: Session, plan: dict[str, Any], taus: dict[str, float]) -> list[dict[str, Any]]:
+    """Per-sample seconds of the evaluate stage against kvpress's pipeline (``kvresearch/speed.py``).
+
+    RULER ``niah_single_2`` at the first context (at least 1,024 tokens), ``eval_samples`` samples: the full
+    cache, SnapKV at keep 0.5 and KVzap-MLP (the random surrogate at the threshold of the ``kvzap`` step)
+    against DMSPress(KVzapPress).
+    """
+    from hydra import compose, initialize_config_dir
+
+    from kvresearch.answering import Settings
+    from kvresearch.benchmarks.loader import load_samples
+    from kvresearch.methods.base import FullCache
+    from kvresearch.methods.baselines import kvzap_press
+    from kvresearch.methods.kvzap import KVzap
+    from kvresearch.models import load_model
+    from kvresearch.runs import CONF_DIR, build
+    from kvresearch.speed import KVpressPipeline, compare, turns
+
+    n = max(min(plan["contexts"]), 1024)  # RULER's template and needle need about a thousand tokens
+    lines = ["benchmark=ruler", f"benchmark.lengths=[{n}]", "benchmark.tasks=[niah_single_2]", "method=snapkv",
+             f"benchmark.samples_per_task={plan['eval_samples']}", "method.keep_ratio=0.5", "model=qwen3_8b",
+             "model.source=random", "model.cut=tiny", "model.device=cpu", "model.dtype=float32"]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", lines)
+    if session.tokenizer is None:  # a random model: RULER's prompts need words, so borrow the paper models' tokenizer
+        try:
+            tokenizer = load_model(cfg.model).tokenizer  # the tiny cut on the CPU: only its tokenizer is used
+        except Exception as error:  # the GPU image may lack the embedded model's package
+            return [{"method": "-", "skipped": f"no tokenizer to build RULER prompts: {type(error).__name__}: {error}"}]
+        session = Session(session.adapter, tokenizer)
+    samples = load_samples(cfg.benchmark, session.tokenizer)
+    settings = Settings(fidelity=False, max_new_tokens=plan["new_tokens"])
+    surrogate, tau = random_surrogates(session)["mlp"], taus["mlp"]
+    methods = {
+        "full": (FullCache(), None),
+        "snapkv": (build(cfg.method), build(cfg.method).press),
+        "kvzap_mlp": (KVzap(surrogate=surrogate, threshold=tau, window=WINDOW), kvzap_press(surrogate, tau, WINDOW)),
+    }
+    pipeline, rows = KVpressPipeline(session), []
+    for name, (method, press) in methods.items():
+        try:
+            row = compare(name, n, turns(session, pipeline, method, press, samples, settings), {})
+        except (KeyError, TypeError, AttributeError) as error:  # kvpress 0.5.5 against a newer transformers
+            row = {"method": name, "tokens": n, "kvpress_refused": f"{type(error).__name__}: {error}"}
+        row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        for side in ("ours", "kvpress"):
+            if side in row:
+                row[side] = {k: round(v, 4) for k, v in row[side].items() if k != "predictions"}
+        rows.append(row)
+        print("[device_check] eval", row, flush=True)
+    return rows

@@ -42,6 +42,7 @@ FLOORS = {
     "stages": 4,
     "device_check": 4,
     "device_steps": 4,
+    "speed": 4,
     "sizing": 4,
     "device_wheels": 0,
     "reports": 2,

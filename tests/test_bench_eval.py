@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from kvresearch.answering import Settings, prompts_of, respond
-from kvresearch.bench.eval import KVpressPipeline, compare, floor, ours
+from kvresearch.bench.eval import markdown
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.evaluation import full_answer_nll
 from kvresearch.methods.base import FullCache
 from kvresearch.models import ModelAdapter, Session
 from kvresearch.runs import build
+from kvresearch.speed import KVpressPipeline, compare, floor, ours
 from tests.helpers import SMALL_RULER, compose_stage
 
 
@@ -35,6 +36,7 @@ def test_ours_kvpress_and_transformers_give_the_same_answers(tiny) -> None:
         row = compare(method.name, 1024, runs, {})
         assert row["identical_predictions"] == 1 and row.get("identical_to_floor", 1) == 1
         assert abs(row["prune_ratio"] - (0.0 if press is None else 0.5)) < 0.01
+        assert f"| {method.name} | 1,024 |" in markdown({"rows": [row]}) and "| 1 of 1 |" in markdown({"rows": [row]})
 
 
 def test_the_fidelity_nll_of_an_agreeing_answer_is_the_generations_own(tiny) -> None:

@@ -34,7 +34,7 @@ def test_the_device_check_runs_every_step_at_the_tiny_shape(tmp_path: Path) -> N
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
-    assert set(report["steps"]) == {"decode", "kvzap", "memory", "extraction", "am"}
+    assert set(report["steps"]) == {"decode", "kvzap", "memory", "extraction", "am", "eval"}
     decode = report["steps"]["decode"]
     refused = interpreter_refuses()  # Triton 3.6 (make compat) with NumPy >= 2.4
     assert report["cut"] == ({"decode.triton": f"no CUDA device, and {refused}"} if refused else {})
@@ -48,6 +48,9 @@ def test_the_device_check_runs_every_step_at_the_tiny_shape(tmp_path: Path) -> N
         assert memory["full_kv_bytes"] <= memory["kvpress_kv_bytes"] * 1.1  # kvpress masks: it keeps everything
     assert report["steps"]["extraction"]["rows_per_s"] > 0
     assert [row["method"] for row in report["steps"]["am"]] == ["am_highest", "am_omp"]
+    for row in report["steps"]["eval"]:  # the stage and kvpress's pipeline, taking turns on one RULER sample
+        assert "kvpress_refused" in row or (row["identical_predictions"] == 1 and row["ours"]["wall_s"] > 0), row
+    assert [row["method"] for row in report["steps"]["eval"]] == ["full", "snapkv", "kvzap_mlp"]
     assert report["versions"]["torch"] and report["settings"]["model_config"]["num_key_value_heads"] == 8
     summary = (tmp_path / "device_check.md").read_text()
     assert summary.startswith("# Device check: CPU") and "## decode" in summary and "## am" in summary

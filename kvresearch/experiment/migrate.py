@@ -37,7 +37,9 @@ def folders(root: Path, dry_run: bool = False) -> Iterator[str]:
             write_atomic(stored, OmegaConf.to_yaml(OmegaConf.create(new)))
             config = OmegaConf.to_container(OmegaConf.load(folder / "config.yaml"), resolve=False)
             assert isinstance(config, dict)
-            write_atomic(folder / "config.yaml", OmegaConf.to_yaml(migrate.config(config)[0]))
+            write_atomic(
+                folder / "config.yaml", OmegaConf.to_yaml(migrate.config({str(k): v for k, v in config.items()})[0])
+            )
             folder.rename(target)
 
 

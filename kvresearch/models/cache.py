@@ -138,34 +138,25 @@ class RaggedLayer(CacheLayerMixin):
         self.lengths += n_new
         self.seen = max(self.seen, int(positions.max()) + 1)
         self.new_positions = positions
-        if n_new and self.stride is None and bool((self.caps == self.caps[0]).all()):
-            self.stride = self._uniform_stride()
+        self.stride = self._uniform_stride() if n_new and self.stride is None else self.stride
 
     def _append_uniform(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
         """``append`` when every head holds as many entries at ``stride``: strided writes, no row indices."""
-        n_new, first = k.shape[1], int(self.lengths[0])
-        heads = len(self.caps)
+        n_new, first, heads = k.shape[1], int(self.lengths[0]), len(self.caps)
         view = lambda t: t.as_strided((heads, self.stride, *t.shape[1:]), (self.stride * t.stride(0), *t.stride()),
                                       t.storage_offset())[:, first : first + n_new]  # fmt: skip
-        view(self.k).copy_(k)
-        view(self.v).copy_(v)
-        view(self.bias).copy_(0.0 if bias is None else bias.float())  # type: ignore[arg-type]
-        view(self.pos).copy_(positions.expand(heads, n_new))
+        view(self.k).copy_(k), view(self.v).copy_(v), view(self.pos).copy_(positions.expand(heads, n_new))
+        view(self.bias).fill_(0.0) if bias is None else view(self.bias).copy_(bias.float())
         self.lengths += n_new
         self.seen = max(self.seen, int(positions.max()) + 1)
         self.new_positions = positions
 
     def _uniform_stride(self) -> int | None:
         """``caps[0]`` when every head has that capacity and as many entries (the uniform layout), else None."""
-        if (
-            len(self.caps) == 0
-            or bool((self.caps != self.caps[0]).any())
-            or bool((self.lengths != self.lengths[0]).any())
-        ):
-            return None
-        return int(self.caps[0]) or None
+        same = len(self.caps) and not bool((self.caps != self.caps[0]).any() or (self.lengths != self.lengths[0]).any())
+        return (int(self.caps[0]) or None) if same else None
 
     def _relayout(self, caps: torch.Tensor, keep: Sequence[torch.Tensor] | None) -> None:
         """Reallocate with per-head capacities ``caps``, copying all entries or only ``keep[h]`` (indices)."""
@@ -296,7 +287,7 @@ class RaggedCache(Cache):
         return totals
 
     def use_kernel(self, kernel: str) -> RaggedCache:
-        """Attend with ``kernel`` in every layer: auto, triton (the decode kernel) or torch (sdpa per KV head)."""
+        """Attend with ``kernel`` in every layer: auto, triton (the decode kernel) or torch (``ops/attention.py``)."""
         if kernel not in ("auto", "triton", "torch"):
             raise KVResearchError(f"Unknown attention kernel '{kernel}'; use auto, triton or torch.")
         for layer in self.ragged:
@@ -374,17 +365,8 @@ def ragged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Transformers attention function: ragged cache -> our attention; anything else -> sdpa."""
     if not isinstance(key, RaggedLayer):
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
+        kwargs.update(dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = key
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     window = sliding_window if sliding_window is not None else layer.window

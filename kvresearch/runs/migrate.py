@@ -84,7 +84,7 @@ def _method(node: Any, applied: list[str]) -> Any:
 
 def config(stored: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``stored`` (a run's config) with renamed options under today's names, and the renames applied."""
-    out, applied = copy.deepcopy(stored), []
+    out, applied = copy.deepcopy(stored), list[str]()
     if isinstance(out.get("method"), dict):
         out["method"] = _method(out["method"], applied)
     return out, sorted(set(applied))
