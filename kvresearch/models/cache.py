@@ -115,7 +115,7 @@ class RaggedLayer(CacheLayerMixin):
     def append(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor | None = None
     ) -> None:
-        """k, v: (kv_heads, T, d); positions (T,); bias (kv_heads, T) or None (zeros)."""
+        """k, v: (kv_heads, T, d); positions (T,) or per head (kv_heads, T); bias (kv_heads, T) or None (zeros)."""
         n_new = k.shape[1]
         if self.stride is not None and int(self.lengths[0]) + n_new <= self.stride:  # the uniform layout, room left
             self._append_uniform(k, v, positions, bias)
@@ -134,7 +134,7 @@ class RaggedLayer(CacheLayerMixin):
         self.k[rows] = k.reshape(-1, k.shape[-1]).to(self.dtype)
         self.v[rows] = v.reshape(-1, v.shape[-1]).to(self.dtype)
         self.bias[rows] = 0.0 if bias is None else bias.reshape(-1).float().to(self.device)
-        self.pos[rows] = positions.repeat(k.shape[0])
+        self.pos[rows] = positions.expand(k.shape[0], -1).reshape(-1)  # (T,) for all heads, or (Hkv, T)
         self.lengths += n_new
         self.seen = max(self.seen, int(positions.max()) + 1)
         self.new_positions = positions

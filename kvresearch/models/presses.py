@@ -126,32 +126,28 @@ def press_prefill(
     finally:
         model.set_attn_implementation(previous)
     n = ids.shape[1]
-    keep: list[list[torch.Tensor]] = []
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for index, spec in enumerate(session.adapter.layers):
+    out = RaggedCache(len(session.adapter.layers), session.windows)
+    for index, (spec, layer) in enumerate(zip(session.adapter.layers, out.ragged, strict=True)):
         entry = dense.layers[index]
         assert entry.keys is not None and entry.values is not None
         keys, values = entry.keys[0], entry.values[0]  # (Hkv, n or n_kept, d)
-        if keys.shape[1] == n:
+        if keys.shape[1] == n:  # pairs masked (or none touched): keep the unmasked ones
             mask = torch.ones(keys.shape[0], n, dtype=torch.bool)
             masked = getattr(spec.attn, "masked_key_indices", None)
             if masked is not None:
                 _, heads, positions = masked
                 mask[heads.cpu(), positions.cpu()] = False
                 spec.attn.masked_key_indices = None
-            keep.append([torch.nonzero(row).view(-1) for row in mask])
-            layers.append((keys, values))
+            layer.update(keys[None], values[None], {"cache_position": torch.arange(n, device=keys.device)})
+            layer.keep_only([torch.nonzero(row).view(-1) for row in mask])
             continue
-        # Pairs were dropped: put each kept pair back at its position, then keep only those.
-        full_values = values.new_zeros(keys.shape[0], n, values.shape[2])
-        kept_layer = []
-        for h in range(keys.shape[0]):
-            rows = _positions_of(keys[h], originals[index][h])
-            full_values[h, rows] = values[h]
-            kept_layer.append(rows.sort().values)
-        keep.append(kept_layer)
-        layers.append((originals[index], full_values))
-    return RaggedCache.from_layers(layers, keep, session.windows)
+        # Pairs were dropped: each kept pair at its position (found among the keys before the press), in order.
+        rows = torch.stack([_positions_of(keys[h], originals[index][h]) for h in range(keys.shape[0])])  # (Hkv, m)
+        order = rows.argsort(dim=1)[..., None]  # (Hkv, m, 1)
+        k, v = (t.gather(1, order.expand(-1, -1, t.shape[-1])) for t in (keys, values))
+        layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
+        layer.seen = n  # the context's length, whether or not its last pair was kept
+    return out
 
 
 @torch.no_grad()
