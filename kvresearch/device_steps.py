@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from kvresearch.models import Session
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.prompts import RepeatPrompt
 
 KEEPS = (1.0, 1 / 3, 0.1)

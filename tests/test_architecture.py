@@ -123,7 +123,7 @@ def test_no_test_imports_another_test_module() -> None:
 
 def test_importing_the_cache_registers_nothing_until_asked() -> None:
     code = (
-        "import kvresearch.models.cache as c\n"
+        "import kvresearch.models.ragged_attention as c\n"
         "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as A\n"
         "assert c.IMPLEMENTATION not in A\n"
         "c.register_ragged_attention()\n"

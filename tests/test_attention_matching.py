@@ -8,8 +8,8 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.attention_matching import AttentionMatching
 from kvresearch.models import ModelAdapter, Session
-from kvresearch.models.cache import ragged_attention_enabled
 from kvresearch.models.hooks import attention_inputs
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops import am
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build

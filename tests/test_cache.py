@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter
-from kvresearch.models.cache import RaggedCache, RaggedLayer, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache, RaggedLayer
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops import attention
 from kvresearch.ops.attention import dense_reference, ragged_attention, uniform_stride
 from tests.helpers import tiny_family
@@ -274,3 +275,22 @@ def test_batch_larger_than_one_is_refused() -> None:
     layer = RaggedLayer()
     with pytest.raises(KVResearchError, match="batch size 1"):
         layer.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
+
+
+def test_a_copy_with_slack_is_independent_and_appends_without_growing() -> None:
+    g = torch.Generator().manual_seed(4)
+    cache = RaggedCache.from_layers([(torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 4, generator=g))])
+    layer = cache.ragged[0]
+    layer.evict(1, torch.tensor([2]))
+    copied = cache.copy(slack=3)
+    twin = copied.ragged[0]
+    assert twin.caps.tolist() == [9, 9] and twin.lengths.tolist() == [6, 6] and twin.dead.tolist() == [0, 1]
+    for h in range(2):
+        for field in ("k", "v", "bias", "pos"):
+            assert torch.equal(getattr(twin, field)[twin.head_rows(h)], getattr(layer, field)[layer.head_rows(h)])
+    buffer = twin.k
+    for step in range(3):  # the slack is used: no growth, no new buffer
+        twin.append(torch.randn(2, 1, 4, generator=g), torch.randn(2, 1, 4, generator=g), torch.tensor([6 + step]))
+    assert twin.k is buffer and twin.lengths.tolist() == [9, 9] and twin.stride == 9
+    twin.evict(0, torch.tensor([0]))
+    assert layer.lengths.tolist() == [6, 6] and layer.dead.tolist() == [0, 1] and bool(layer.alive(0).all())

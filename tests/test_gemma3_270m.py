@@ -8,8 +8,9 @@ from transformers import DynamicCache
 
 from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import LoadedModel, ModelAdapter, Session, load_model
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.embedded import cache_root
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.prompts import build_prompt
 from tests.helpers import model_config
 

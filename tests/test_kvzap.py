@@ -8,8 +8,9 @@ from transformers import DynamicCache
 
 from kvresearch.methods.kvzap import ThresholdPruner
 from kvresearch.models import ModelAdapter
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import after_attention, attention_inputs
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.surrogate import Surrogate, SurrogateConfig
 
 pytestmark = pytest.mark.compat  # also run on the GPU image's versions (make compat)

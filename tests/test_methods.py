@@ -11,8 +11,8 @@ from kvresearch.methods.base import cache_from_scores
 from kvresearch.methods.kvzap import KVzap
 from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import ModelAdapter, Session
-from kvresearch.models.cache import ragged_attention_enabled
 from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops.selection import keep_topk
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build

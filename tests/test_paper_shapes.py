@@ -19,7 +19,8 @@ from transformers import DynamicCache
 
 from kvresearch.models import ModelAdapter, load_model
 from kvresearch.models.architecture import build_config, names, parameter_count, text_config
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.runs import execute
 from kvresearch.stages import evaluate, extract, fidelity, lm_eval, train_surrogate
 from kvresearch.surrogate.data import ExtractRun, predict

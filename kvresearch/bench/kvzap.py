@@ -26,8 +26,8 @@ from kvresearch.methods.base import FullCache
 from kvresearch.methods.baselines import kvzap_press
 from kvresearch.methods.kvzap import ThresholdPruner
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.models.cache import ragged_attention_enabled
 from kvresearch.models.presses import masked_pairs
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import outputs_root
 from kvresearch.surrogate import Surrogate, from_run

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from kvresearch.generation import Sampling
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import before_attention
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.models.session import Prefill, Session
 from kvresearch.prompts import AM_REPEAT, Prompt
 

@@ -14,30 +14,21 @@ have to grow, so such a layer holds at most ``W - 1`` old entries plus the growt
 context length. They still count as kept in the prune ratio (the method did not evict them; it is the
 model's own window that hides them), and not in the kept bytes (they are no longer stored).
 
-Attention over it runs through the ``kvr_ragged`` attention implementation (the torch reference in
-``ops/attention.py`` on CPU, the Triton decode kernel on CUDA), which :func:`ragged_attention_enabled`
-registers with transformers (an explicit, idempotent call; importing this module changes nothing) and
-switches on; with an ordinary cache the same implementation falls back to sdpa. Batch size 1 only: a
-larger batch is refused with an error.
+Attention over it runs through the ``kvr_ragged`` attention implementation (``ragged_attention.py``).
+Batch size 1 only: a larger batch is refused with an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvresearch.errors import KVResearchError
-from kvresearch.ops.attention import ragged_attention
 
-IMPLEMENTATION = "kvr_ragged"
 DEAD = float("-inf")
 
 
@@ -160,21 +151,30 @@ class RaggedLayer(CacheLayerMixin):
 
     def _relayout(self, caps: torch.Tensor, keep: Sequence[torch.Tensor] | None) -> None:
         """Reallocate with per-head capacities ``caps``, copying all entries or only ``keep[h]`` (indices)."""
-        starts = torch.cumsum(caps, 0) - caps
-        total = int(caps.sum())
-        k = self.k.new_empty(total, self.k.shape[1])
-        v = self.v.new_empty(total, self.v.shape[1])
-        bias = self.bias.new_full((total,), DEAD)
-        pos = self.pos.new_zeros(total)
-        lengths = torch.zeros_like(self.lengths)
+        starts, total = torch.cumsum(caps, 0) - caps, int(caps.sum())
+        k, v = self.k.new_empty(total, self.k.shape[1]), self.v.new_empty(total, self.v.shape[1])
+        bias, pos, lengths = (
+            self.bias.new_full((total,), DEAD),
+            self.pos.new_zeros(total),
+            torch.zeros_like(self.lengths),
+        )
         for h in range(len(caps)):
-            src = self.head_rows(h) if keep is None else int(self.starts[h]) + keep[h].to(self.device)
-            dst = slice(int(starts[h]), int(starts[h]) + len(src))
+            first, n = int(self.starts[h]), int(self.lengths[h])  # all entries by a slice: one copy, no gather
+            src = slice(first, first + n) if keep is None else first + keep[h].to(self.device)
+            dst = slice(int(starts[h]), int(starts[h]) + (n if keep is None else len(keep[h])))
             k[dst], v[dst], bias[dst], pos[dst] = self.k[src], self.v[src], self.bias[src], self.pos[src]
-            lengths[h] = len(src)
+            lengths[h] = dst.stop - dst.start
         self.k, self.v, self.bias, self.pos = k, v, bias, pos
         self.starts, self.lengths, self.caps = starts, lengths, caps.clone()
         self.stride = self._uniform_stride()
+
+    def copy(self, slack: int = 0) -> RaggedLayer:
+        """A copy in new buffers with room for ``slack`` more entries per head (appending them needs no growth)."""
+        out = copy.copy(self)
+        if self.is_initialized:
+            out.dead, out.hidden = self.dead.clone(), self.hidden.clone()
+            out._relayout(self.lengths + slack, None)
+        return out
 
     def head_rows(self, h: int) -> torch.Tensor:
         """Buffer rows of head h's entries."""
@@ -294,6 +294,15 @@ class RaggedCache(Cache):
             layer.kernel = kernel
         return self
 
+    def copy(self, slack: int = 0) -> RaggedCache:
+        """A copy in new buffers, each head with room for ``slack`` more entries: generating from it copies once."""
+        out = copy.copy(self)
+        out.layers = [
+            layer.copy(slack) if isinstance(layer, RaggedLayer) else copy.deepcopy(layer) for layer in self.layers
+        ]
+        out.method_state = copy.deepcopy(self.method_state)
+        return out
+
     def compact(self, slack: int = 0) -> None:
         """Physically remove evicted entries in every layer."""
         for layer in self.ragged:
@@ -350,49 +359,3 @@ class RaggedCache(Cache):
             if keep is not None:
                 dst.keep_only(keep[i])
         return out
-
-
-def ragged_attention_forward(
-    module: Any,
-    query: torch.Tensor,
-    key: Any,
-    value: Any,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers attention function: ragged cache -> our attention; anything else -> sdpa."""
-    if not isinstance(key, RaggedLayer):
-        kwargs.update(dropout=dropout, scaling=scaling, sliding_window=sliding_window)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layer = key
-    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    window = sliding_window if sliding_window is not None else layer.window
-    args = (query[0], layer.new_positions, layer.k, layer.v, layer.bias, layer.pos, layer.starts, layer.lengths, scale)
-    if layer.kernel == "triton" or (layer.kernel == "auto" and query.is_cuda and query.shape[2] <= 16):
-        from kvresearch.ops.triton_decode import ragged_decode
-
-        out = ragged_decode(*args, window=window)
-    else:
-        out = ragged_attention(*args, window=window, stride=layer.stride)
-    return out.transpose(0, 1)[None], None  # (1, T, Hq, d)
-
-
-def register_ragged_attention() -> None:
-    """Make ``kvr_ragged`` known to transformers' attention and mask registries (idempotent)."""
-    ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ragged_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
-
-
-@contextmanager
-def ragged_attention_enabled(model: PreTrainedModel) -> Iterator[None]:
-    """Switch the model to the ``kvr_ragged`` attention implementation inside the block."""
-    register_ragged_attention()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(IMPLEMENTATION)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)

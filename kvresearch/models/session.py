@@ -23,8 +23,9 @@ from transformers import DynamicCache
 
 from kvresearch.generation import GREEDY, Generated, Sampling, StopStrings, forced_logprobs, generate
 from kvresearch.models.adapter import ModelAdapter
-from kvresearch.models.cache import RaggedCache, ragged_attention_enabled
+from kvresearch.models.cache import RaggedCache
 from kvresearch.models.hooks import attention_inputs
+from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.prompts import Prompt
 
 
@@ -121,7 +122,7 @@ class Session:
         ``cache`` is left untouched (a copy is extended) unless ``in_place``; ``eos=False`` ignores the end
         tokens; ``decode_context(cache)`` wraps decoding, for a method that also compresses while generating.
         """
-        working = cache if in_place else copy.deepcopy(cache)
+        working = cache if in_place else _working_copy(cache, input_ids.shape[1] + max_new_tokens)
         with self._decoding(working, decode_context):
             return generate(
                 self.model,
@@ -142,7 +143,7 @@ class Session:
         decode_context: Callable[[Any], AbstractContextManager[Any]] | None = None,
     ) -> torch.Tensor:
         """Log-probabilities of ``targets`` teacher-forced one step at a time after ``cache`` (left untouched)."""
-        working = copy.deepcopy(cache)
+        working = _working_copy(cache, input_ids.shape[1] + len(targets))
         with self._decoding(working, decode_context):
             return forced_logprobs(self.model, working, input_ids, targets)
 
@@ -164,7 +165,7 @@ class Session:
         One forward pass of ``input_ids`` and ``targets`` over a copy of ``cache`` (left untouched).
         """
         ids = torch.cat([input_ids, torch.tensor([list(targets)])], dim=1).to(self.device)
-        working = copy.deepcopy(cache)
+        working = _working_copy(cache, ids.shape[1])
         with self._decoding(working):
             logits = self.model(input_ids=ids, past_key_values=working, use_cache=True).logits[0]
         return logits[input_ids.shape[1] - 1 : -1]
@@ -177,6 +178,11 @@ class Session:
         logprobs = torch.log_softmax(self.target_logits(cache, question_ids, answer_ids).float(), dim=-1)
         target = torch.tensor(answer_ids, device=logprobs.device)
         return float(-logprobs.gather(1, target[:, None]).mean())
+
+
+def _working_copy(cache: Any, slack: int) -> Any:
+    """A copy of ``cache`` to extend by ``slack`` tokens: a ragged one copied once, with that room; others deep."""
+    return cache.copy(slack) if isinstance(cache, RaggedCache) else copy.deepcopy(cache)
 
 
 @dataclass
