@@ -26,6 +26,7 @@ from hydra import compose, initialize_config_dir
 
 from kvresearch.answering import Settings, prompts_of
 from kvresearch.benchmarks.loader import load_samples
+from kvresearch.device_steps import random_surrogates
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.baselines import kvzap_press
 from kvresearch.methods.kvzap import KVzap
@@ -33,7 +34,7 @@ from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.runs import CONF_DIR, build, outputs_root, read_json, write_json
 from kvresearch.speed import KVpressPipeline, compare, turns
 from kvresearch.surrogate import from_run
-from kvresearch.surrogate.modules import Surrogate, SurrogateConfig
+from kvresearch.surrogate.modules import Surrogate
 
 PRESSES = ("snapkv", "tova", "streaming_llm")
 
@@ -49,10 +50,7 @@ def surrogate(cfg: Any, session: Session) -> tuple[Surrogate, str]:
     try:
         return from_run(str(cfg.paths.surrogate_mlp), "mlp", str(cfg.model.name), str(cfg.paths.root)), "trained"
     except KVResearchError:
-        a = session.adapter
-        torch.manual_seed(0)
-        shape = SurrogateConfig("mlp", a.num_layers, a.hidden_size, a.num_kv_heads, model=str(cfg.model.name))
-        return Surrogate(shape), "untrained (seed 0): no train_surrogate run here"
+        return random_surrogates(session)["mlp"], "untrained (seed 0): no train_surrogate run here"
 
 
 def markdown(report: dict[str, Any]) -> str:

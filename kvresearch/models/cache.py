@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvresearch.errors import KVResearchError
+from kvresearch.ops.attention import head_views
 
 DEAD = float("-inf")
 
@@ -136,10 +137,15 @@ class RaggedLayer(CacheLayerMixin):
     ) -> None:
         """``append`` when every head holds as many entries at ``stride``: strided writes, no row indices."""
         n_new, first, heads = k.shape[1], int(self.lengths[0]), len(self.caps)
-        view = lambda t: t.as_strided((heads, self.stride, *t.shape[1:]), (self.stride * t.stride(0), *t.stride()),
-                                      t.storage_offset())[:, first : first + n_new]  # fmt: skip
-        view(self.k).copy_(k), view(self.v).copy_(v), view(self.pos).copy_(positions.expand(heads, n_new))
-        view(self.bias).fill_(0.0) if bias is None else view(self.bias).copy_(bias.float())
+        assert self.stride is not None
+        view = lambda t: head_views(t, 0, self.stride, heads)[:, first : first + n_new]
+        view(self.k).copy_(k)
+        view(self.v).copy_(v)
+        view(self.pos).copy_(positions.expand(heads, n_new))
+        if bias is None:
+            view(self.bias).fill_(0.0)
+        else:
+            view(self.bias).copy_(bias.float())
         self.lengths += n_new
         self.seen = max(self.seen, int(positions.max()) + 1)
         self.new_positions = positions

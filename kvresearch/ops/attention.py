@@ -74,6 +74,12 @@ def uniform_stride(starts: torch.Tensor, lengths: torch.Tensor) -> int | None:
     return stride
 
 
+def head_views(t: torch.Tensor, first: int, stride: int, heads: int) -> torch.Tensor:
+    """(heads, stride, ...) view of packed rows ``t`` (rows, ...): head h's rows ``first + h * stride`` on, no copy."""
+    return t.as_strided((heads, stride, *t.shape[1:]), (stride * t.stride(0), *t.stride()),
+                        t.storage_offset() + first * t.stride(0))  # fmt: skip
+
+
 def _uniform_attention(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -92,8 +98,7 @@ def _uniform_attention(
     q_heads, n_q = q.shape[0], q.shape[1]
     group = q_heads // kv_heads
     dtype = torch.promote_types(q.dtype, torch.float32)
-    view = lambda t: t.as_strided((kv_heads, n, *t.shape[1:]), (stride * t.stride(0), *t.stride()),
-                                  t.storage_offset() + first * t.stride(0))  # fmt: skip
+    view = lambda t: head_views(t, first, stride, kv_heads)[:, :n]
     k, v, b, p = view(keys).to(dtype), view(values).to(dtype), view(bias), view(pos)  # (Hkv, n, d), (Hkv, n)
     k4, v4 = (t[:, None].expand(kv_heads, group, n, t.shape[-1]) for t in (k, v))  # (Hkv, G, n, d), no copy
     q4 = q.to(dtype).reshape(kv_heads, group, n_q, -1)
