@@ -12,6 +12,12 @@ Our choices where the reference implementations differ:
   ``[template head | current chunk | repeat tokens]``. The "sinks" are the whole template head (kvpress
   keeps 4 tokens), so that on a context of one chunk both give the same scores;
 * scores are returned raw; the training target is ``log(kvzip_plus)``.
+
+Speed (``fused``, on by default where it applies: sdpa on CPU, layers without a sliding window): the
+chunked oracle's repeat pass attends by three calls of the flash kernel, over ``[template head | chunk]``,
+the rest of the context and the repeat tokens (causal), merged by their log-sum-exps. That skips the
+masked half of the repeat square, and the scores then need only the chunk's logits, normalised by the
+log-sum-exp of the first and last parts. Outputs and scores agree with the unfused path to rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.hooks import attention_calls, attention_inputs
-from kvresearch.ops.scores import kvzip_scores
+from kvresearch.ops.attention import merged_attention
+from kvresearch.ops.scores import kvzip_scores, kvzip_scores_lse
 from kvresearch.prompts import KVZIP_CONTINUE, KVZIP_REPEAT, RepeatPrompt, template_pieces
 
 
@@ -78,6 +85,50 @@ def _score_call(
     )
 
 
+class _PassDone(Exception):
+    """Ends a repeat pass once the last layer is scored."""
+
+
+def _fused_call(
+    adapter: ModelAdapter,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    h: torch.Tensor,
+    rows: slice,
+    span: slice,
+    head_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One repeat-pass attention call of the chunked oracle, split in parts (module docstring); its scores.
+
+    q (1, Hq, T, d) are the pass's T new tokens; k, v (1, Hkv, total + T, d) the cache then those tokens;
+    ``span`` the chunk's positions in the cache. Returns the attention output (1, Hq, T, d), kvzip, kvzip_plus.
+    """
+    total, scaling = k.shape[2] - q.shape[2], adapter.layers[layer].scaling
+    pick = lambda spans: (
+        (k[:, :, spans[0]], v[:, :, spans[0]])
+        if len(spans) == 1
+        else (torch.cat([k[:, :, s] for s in spans], dim=2), torch.cat([v[:, :, s] for s in spans], dim=2))
+    )
+    head_chunk = [slice(0, span.stop)] if span.start == head_len else [slice(0, head_len), span]
+    rest = [s for s in (slice(head_len, span.start), slice(span.stop, total)) if s.stop > s.start]
+    parts = [(*pick(head_chunk), False), *([(*pick(rest), False)] if rest else []), (*pick([slice(total, None)]), True)]
+    out, lses = merged_attention(q, parts, scaling)
+    lse = torch.logaddexp(lses[0], lses[-1])[0, :, rows]  # the softmax over [head | chunk | repeat tokens]
+    kvzip, plus = kvzip_scores_lse(
+        q[0, :, rows], k[0, :, span], v[0, :, span], h[0, rows].norm(dim=-1), adapter.output_weight(layer), scaling,
+        lse,
+    )  # fmt: skip
+    return out, kvzip, plus
+
+
+def fused_applies(adapter: ModelAdapter, device: torch.device) -> bool:
+    """Whether the chunked oracle can split its repeat pass (sdpa on CPU, no attention logit soft-capping)."""
+    softcap = getattr(adapter.config, "attn_logit_softcapping", None)
+    return adapter.config._attn_implementation == "sdpa" and device.type == "cpu" and softcap is None
+
+
 @torch.no_grad()
 def oracle_scores(
     adapter: ModelAdapter, prompt: RepeatPrompt, keep_hidden: torch.Tensor | None = None, block: int = 128
@@ -123,6 +174,7 @@ def chunked_oracle_scores(
     hint_tokens: int = 8,
     block: int = 128,
     progress: Callable[[int], None] | None = None,
+    fused: bool | None = None,
 ) -> list[LayerScores]:
     """The evaluation-time oracle over a prefilled cache of ``head | context`` (KVzip's chunked replay).
 
@@ -140,8 +192,10 @@ def chunked_oracle_scores(
         head_len: number of template-head tokens before the context in the cache.
         chunk_size: context tokens per repeat pass.
         hint_tokens: tokens of the previous chunk that the next instruction quotes.
-        block: query rows per block of the score computation.
+        block: query rows per block of the unfused score computation.
         progress: called with the number of context tokens done after each chunk.
+        fused: split the repeat pass (module docstring) on layers without a sliding window; None: where
+            :func:`fused_applies`.
 
     Returns:
         per layer: kvzip and kvzip_plus of shape (kv_heads, len(context_ids)); hidden is None.
@@ -155,6 +209,8 @@ def chunked_oracle_scores(
     plus = [torch.zeros(adapter.num_kv_heads, len(context_ids)) for _ in range(adapter.num_layers)]
     inputs: dict[int, torch.Tensor] = {}
     device = next(adapter.model.parameters()).device
+    if fused is None:
+        fused = fused_applies(adapter, device)
     for start in range(0, len(context_ids), chunk_size):
         chunk = context_ids[start : start + chunk_size]
         if start == 0:
@@ -167,19 +223,28 @@ def chunked_oracle_scores(
         keys = torch.cat([torch.arange(head_len), cols, torch.arange(total, total + len(ids))])
 
         def on_call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows=rows, cols=cols, keys=keys):
-            a, b = _score_call(adapter, layer, q, k, v, inputs.pop(layer), rows, cols, keys, block)
-            span = slice(cols[0] - head_len, cols[-1] + 1 - head_len)
-            kvzip[layer][:, span] = a.float().cpu()
-            plus[layer][:, span] = b.float().cpu()
+            out, span = None, slice(int(cols[0]), int(cols[-1]) + 1)
+            if fused and adapter.layers[layer].sliding_window is None:
+                out, a, b = _fused_call(adapter, layer, q, k, v, inputs.pop(layer), rows, span, head_len)
+            else:
+                a, b = _score_call(adapter, layer, q, k, v, inputs.pop(layer), rows, cols, keys, block)
+            kvzip[layer][:, span.start - head_len : span.stop - head_len] = a.float().cpu()
+            plus[layer][:, span.start - head_len : span.stop - head_len] = b.float().cpu()
+            if layer == adapter.num_layers - 1:
+                raise _PassDone  # the last layer's attention output and MLP only feed logits, which nothing reads
+            return out
 
         positions = torch.arange(total, total + len(ids), device=device)[None]
-        with attention_inputs(adapter, inputs), attention_calls(adapter, on_call):
-            adapter.decoder(
-                input_ids=torch.tensor([ids], device=device),
-                past_key_values=cache,
-                position_ids=positions,
-                use_cache=True,
-            )
+        try:
+            with attention_inputs(adapter, inputs), attention_calls(adapter, on_call):
+                adapter.decoder(
+                    input_ids=torch.tensor([ids], device=device),
+                    past_key_values=cache,
+                    position_ids=positions,
+                    use_cache=True,
+                )
+        except _PassDone:
+            pass
         cache.crop(total)
         if progress is not None:
             progress(len(chunk))

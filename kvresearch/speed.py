@@ -160,5 +160,6 @@ def compare(name: str, length: int, runs: dict[str, list[dict]], extra: dict[str
     row["identical_predictions"] = same(theirs)
     if "floor" in runs:
         row["identical_to_floor"] = same(runs["floor"])
+        row["prefill_vs_floor"] = mean(mine, "prefill_s") / mean(runs["floor"], "prefill_s")
     row["samples"] = len(mine)
     return row

@@ -35,6 +35,7 @@ def test_ours_kvpress_and_transformers_give_the_same_answers(tiny) -> None:
             runs["floor"] = [floor(session, prompt.context_ids, prompt.question_ids, 8)]
         row = compare(method.name, 1024, runs, {})
         assert row["identical_predictions"] == 1 and row.get("identical_to_floor", 1) == 1
+        assert ("prefill_vs_floor" in row) == (press is None) and row.get("prefill_vs_floor", 1.0) > 0
         assert abs(row["prune_ratio"] - (0.0 if press is None else 0.5)) < 0.01
         assert f"| {method.name} | 1,024 |" in markdown({"rows": [row]}) and "| 1 of 1 |" in markdown({"rows": [row]})
 

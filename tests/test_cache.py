@@ -54,6 +54,32 @@ def test_ragged_attention_equals_dense_brute_force(window) -> None:
     torch.testing.assert_close(ours.double(), dense_reference(q, k, v, bias, visible, 0.3), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["unbiased", "one_head_biased", "window"])
+def test_ragged_decoding_attends_without_a_mask_where_every_entry_is_visible(case, monkeypatch) -> None:
+    """Ragged heads after eviction, queries after every kept entry: unmasked per-head calls, as the brute force."""
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, n, d, t = 6, 3, 20, 8, 2
+    k, v = torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, d, generator=g)
+    bias = torch.zeros(hkv, n)
+    if case == "one_head_biased":
+        bias[1] = torch.randn(n, generator=g)
+    keep = [torch.randperm(n, generator=g)[: 4 + 5 * h].sort().values for h in range(hkv)]
+    q, q_pos = torch.randn(hq, t, d, generator=g), torch.tensor([n, n + 1])
+    window = 6 if case == "window" else None
+    args = packed([k[h, keep[h]] for h in range(hkv)], [v[h, keep[h]] for h in range(hkv)],
+                  [bias[h, keep[h]] for h in range(hkv)], keep)  # fmt: skip
+    seen = calls(monkeypatch)
+    ours = ragged_attention(q, q_pos, *args, 0.3, window=window).double()
+    masked = {"unbiased": [False] * 3, "one_head_biased": [False, True, False], "window": [True] * 3}[case]
+    assert [c["mask"] for c in seen] == masked
+    visible = torch.zeros(hkv, t, n, dtype=torch.bool)
+    for h in range(hkv):
+        visible[h][:, keep[h]] = True
+    delta = q_pos[:, None] - torch.arange(n)[None]
+    visible &= (delta >= 0) if window is None else (delta >= 0) & (delta < window)
+    torch.testing.assert_close(ours, dense_reference(q, k, v, bias, visible, 0.3), rtol=1e-5, atol=1e-6)
+
+
 def calls(monkeypatch) -> list[dict]:
     """The keyword arguments of every sdpa call ``ragged_attention`` makes from now on."""
     seen: list[dict] = []

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvresearch.capture import chunked_oracle_scores, oracle_scores
+from kvresearch.capture import chunked_oracle_scores, fused_applies, oracle_scores
 from kvresearch.models import ModelAdapter
 from kvresearch.models.hooks import attention_inputs
-from kvresearch.ops.scores import kvzip_scores, value_output_norms
+from kvresearch.ops.attention import attention_with_lse, merged_attention
+from kvresearch.ops.scores import kvzip_scores, kvzip_scores_lse, value_output_norms
 from kvresearch.prompts import repeat_prompt, template_pieces
 from tests.helpers import tiny_family
 
@@ -222,3 +223,80 @@ def test_a_row_with_a_zero_attention_input_adds_nothing_to_kvzip_plus() -> None:
     keep = [i for i in range(len(h_norm)) if i != 3]
     ref = brute_force(q[:, keep], k, v, h_norm[keep], w_o, 0.35, q_pos[keep], k_pos, cols)[1]
     assert torch.isfinite(ours).all() and torch.allclose(ours.double(), ref, rtol=1e-5, atol=1e-9)
+
+
+def brute_lse(q, k, scaling, q_pos, k_pos):
+    """(Hq, rows) float64 log-sum-exp of each row's causal scaled logits."""
+    group = q.shape[0] // k.shape[0]
+    logits = q.double() @ k.double().repeat_interleave(group, 0).transpose(1, 2) * scaling
+    return logits.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf")).logsumexp(dim=-1)
+
+
+@pytest.mark.parametrize("block", [1, 5, 64])
+def test_scores_from_the_rows_log_normalisers_equal_brute_force(block) -> None:
+    """Columns in every row's past: only their logits are formed, normalised by the given lse."""
+    q, k, v, w_o, h_norm, q_pos, k_pos, cols = random_problem()
+    h_norm[3] = 0.0  # a zero attention input adds nothing to KVzip+
+    lse = brute_lse(q, k, 0.35, q_pos, k_pos)
+    ours = kvzip_scores_lse(q, k[:, cols], v[:, cols], h_norm, w_o, 0.35, lse, block=block)
+    keep = [i for i in range(len(h_norm)) if i != 3]
+    ref = brute_force(q, k, v, h_norm.clamp_min(1e-300), w_o, 0.35, q_pos, k_pos, cols)
+    ref_plus = brute_force(q[:, keep], k, v, h_norm[keep], w_o, 0.35, q_pos[keep], k_pos, cols)[1]
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-9, atol=0)
+    torch.testing.assert_close(ours[1], ref_plus, rtol=1e-9, atol=0)
+
+
+def test_merged_attention_equals_one_masked_attention_over_all_keys() -> None:
+    """[head | chunk], [rest], [rows' own keys, causal]: the repeat pass's split, merged exactly (GQA, float64)."""
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, ctx, t, d = 6, 2, 30, 11, 8
+    q = torch.randn(1, hq, t, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, hkv, ctx + t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    q_pos, k_pos = torch.arange(ctx, ctx + t), torch.arange(ctx + t)
+    mask = (k_pos[None] <= q_pos[:, None])[None, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask, scale=0.4
+    )
+    first, rest, own = slice(0, 12), slice(12, ctx), slice(ctx, None)
+    parts = [(k[:, :, s], v[:, :, s], s is own) for s in (first, rest, own)]
+    out, lses = merged_attention(q, parts, 0.4)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    full = brute_lse(q[0], k[0], 0.4, q_pos, k_pos)
+    sub = brute_lse(q[0], torch.cat([k[0, :, first], k[0, :, own]], 1), 0.4, q_pos,
+                    torch.cat([k_pos[first], k_pos[own]]))  # fmt: skip
+    torch.testing.assert_close(torch.logsumexp(torch.stack(lses), 0)[0], full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.logaddexp(lses[0], lses[2])[0], sub, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="square"):
+        attention_with_lse(q, k, v, 0.4, causal=True)
+    with pytest.raises(ValueError, match="rows and keys"):
+        attention_with_lse(q, k[:, :, :0], v[:, :, :0], 0.4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("chunk_size", [12, 512])
+def test_the_fused_chunked_oracle_equals_the_unfused_one(family, chunk_size, tiny) -> None:
+    """One chunk and several; gemma3's sliding layers take the unfused path inside a fused pass."""
+    model = tiny_family(family, "sdpa")
+    adapter = ModelAdapter(model)
+    assert fused_applies(adapter, torch.device("cpu"))
+    ids = [int(i) for i in torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(6))]
+    head = [1, 4, 5]
+
+    class ClampTok:  # the tiny vocabulary: map every id into range
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=False):
+            out = tiny.tokenizer(text, add_special_tokens=False)
+            out["input_ids"] = [i % 97 for i in out["input_ids"]]
+            return out
+
+    def scores(fused):
+        cache = DynamicCache()
+        adapter.decoder(input_ids=torch.tensor([head + ids]), past_key_values=cache, use_cache=True)
+        layers = chunked_oracle_scores(adapter, ClampTok(), cache, ids, len(head), chunk_size, 4, fused=fused)
+        assert cache.get_seq_length() == len(head) + len(ids)  # cropped back, also after the early stop
+        return layers
+
+    for a, b in zip(scores(True), scores(False), strict=True):
+        torch.testing.assert_close(a.kvzip, b.kvzip, rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(a.kvzip_plus, b.kvzip_plus, rtol=1e-10, atol=1e-14)

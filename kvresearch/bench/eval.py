@@ -3,10 +3,12 @@
 For each ``--lengths`` (RULER ``niah_single_2``, ``--samples`` samples, the embedded model, ``--threads``
 threads) and each method, the sides of ``kvresearch/speed.py`` take turns on every sample after an untimed
 warm-up: ``ours`` (the evaluate stage, ``evaluate.fidelity=false``), ``kvpress`` (its pipeline on the same
-token ids), ``floor`` (transformers alone; ``full`` only) and ``ours_fidelity`` (the stage with
+token ids), ``floor`` (transformers alone; ``full`` and ``kvzip_plus``) and ``ours_fidelity`` (the stage with
 ``evaluate.fidelity=true`` and the full run's answers as reference; every method but ``full``).
 
 Methods: ``full``; kvpress's SnapKV, TOVA and StreamingLLM at ``--keep`` (both sides drop the pairs);
+KVzip+ against kvpress's ``KVzipPress(kvzip_plus_normalization=True)`` at ``--keep`` (their scoring choices
+differ: ``capture.py``), with transformers' plain prefill as a third side for the compression's cost;
 KVzap-MLP by threshold against kvpress's ``DMSPress(KVzapPress)`` (which only masks) with the same surrogate
 and threshold (the surrogate of ``paths.surrogate_mlp`` when that run exists, else a seeded untrained one,
 said in the JSON; the threshold keeps ``--keep`` of the first sample). Predictions are compared item by item.
@@ -37,6 +39,8 @@ from kvresearch.surrogate import from_run
 from kvresearch.surrogate.modules import Surrogate
 
 PRESSES = ("snapkv", "tova", "streaming_llm")
+KVPRESS_TWIN = {"kvzip_plus": "kvpress_kvzip"}  # our method -> the method config of kvpress's press
+WITH_FLOOR = ("full", "kvzip_plus")
 
 
 def config(overrides: list[str]) -> Any:
@@ -57,15 +61,17 @@ def markdown(report: dict[str, Any]) -> str:
     """The summary table of a report (per-sample means in seconds), as docs/benchmarks.md shows it."""
     lines = [
         "| method | context | prune ratio | ours prefill + decode = wall | kvpress prefill + decode = wall | "
-        "speed-up | identical answers | fidelity adds |",
-        "|---|---|---|---|---|---|---|---|",
+        "speed-up | identical answers | fidelity adds | prefill / plain prefill |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         side = lambda name, r=row: "{prefill_s:.2f} + {decode_s:.2f} = {wall_s:.2f}".format(**r[name])
         extra = f"{row['fidelity_extra_s']:+.2f} s" if "fidelity_extra_s" in row else ""
+        floor = f"{row['prefill_vs_floor']:.2f}x" if "prefill_vs_floor" in row else ""
         lines.append(
             f"| {row['method']} | {row['tokens']:,} | {row['prune_ratio']:.3f} | {side('ours')} | {side('kvpress')} | "
-            f"{row['speedup_vs_kvpress']:.2f}x | {row['identical_predictions']} of {row['samples']} | {extra} |"
+            f"{row['speedup_vs_kvpress']:.2f}x | {row['identical_predictions']} of {row['samples']} | {extra} | "
+            f"{floor} |"
         )
     return "\n".join(lines)
 
@@ -75,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--samples", type=int, default=5)
-    parser.add_argument("--methods", nargs="+", default=["full", *PRESSES, "kvzap_mlp"])
+    parser.add_argument("--methods", nargs="+", default=["full", *PRESSES, "kvzap_mlp", "kvzip_plus"])
     parser.add_argument("--keep", type=float, default=0.5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -110,9 +116,10 @@ def main() -> None:
             else:
                 keep = [] if name == "full" else [f"method.keep_ratio={args.keep}"]
                 method = build(config([*base, f"method={name}", *keep]).method)
-                press = None if name == "full" else build(config([*base, f"method={name}", *keep]).method).press
+                twin = KVPRESS_TWIN.get(name, name)
+                press = None if name == "full" else build(config([*base, f"method={twin}", *keep]).method).press
             checked = references if args.fidelity and name != "full" and references else None
-            runs = turns(session, pipeline, method, press, samples, settings, name == "full", checked)
+            runs = turns(session, pipeline, method, press, samples, settings, name in WITH_FLOOR, checked)
             if name == "full":
                 references = {r["record"]["id"]: r["record"] for r in runs["ours"]}
             rows.append(compare(name, length, runs, extra))

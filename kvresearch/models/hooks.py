@@ -2,7 +2,8 @@
 
 ``attention_calls`` wraps the attention function that transformers dispatches to (sdpa, eager,
 flash, ...) so that a callback sees exactly the q, k, v the model attends with, without switching the
-model to eager attention. ``before_attention`` calls back with each layer's attention input h
+model to eager attention; a callback that returns the attention output replaces the call.
+``before_attention`` calls back with each layer's attention input h
 (``attention_inputs`` records it);
 ``after_attention`` calls back once each attention module has run (its cache is then up to date);
 ``model_calls`` calls back with the input ids before and after every forward pass of the whole model.
@@ -20,13 +21,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvresearch.models.adapter import ModelAdapter
 
-# callback(layer_index, query (b, Hq, T, d), key (b, Hkv, S, d), value (b, Hkv, S, d))
-AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# callback(layer_index, query (b, Hq, T, d), key (b, Hkv, S, d), value (b, Hkv, S, d)) -> None or output (b, Hq, T, d)
+AttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 @contextmanager
 def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Iterator[None]:
-    """Call ``callback`` with the post-rotary q, k, v of every attention call inside the block."""
+    """Call ``callback`` with the post-rotary q, k, v of every attention call inside the block.
+
+    When the callback returns a tensor (b, Hq, T, d), that is the call's attention output and the model's own
+    attention function does not run.
+    """
     impl = adapter.config._attn_implementation or "eager"
     # Overrides go into the interface's local mapping, which wins over the class-wide one (kvpress patches there).
     local = ALL_ATTENTION_FUNCTIONS._local_mapping
@@ -37,7 +42,9 @@ def attention_calls(adapter: ModelAdapter, callback: AttentionCallback) -> Itera
         original = module.eager_attention_forward
 
     def recorder(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any):
-        callback(int(module.layer_idx), query, key, value)
+        out = callback(int(module.layer_idx), query, key, value)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
         return original(module, query, key, value, *args, **kw)
 
     local[impl] = recorder

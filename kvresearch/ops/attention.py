@@ -47,10 +47,18 @@ def ragged_attention(
             continue
         k = keys[start : start + n].to(dtype)  # (n, d)
         v = values[start : start + n].to(dtype)
-        delta = q_pos[:, None] - pos[start : start + n][None, :]  # (T, n)
-        hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
-        mask = bias[start : start + n].to(dtype)[None, :].masked_fill(hidden, float("-inf"))  # (T, n)
+        b, p = bias[start : start + n], pos[start : start + n]
         qh = q[h * group : (h + 1) * group].to(dtype)  # (G, T, d)
+        cut = window is not None and int(q_pos[-1]) - int(p.min()) >= window
+        if not cut and int(p.max()) <= int(q_pos[0]) and not bool(b.any()):
+            # every entry visible to every query and unbiased (decoding): the group's rows share one key set
+            o = F.scaled_dot_product_attention(qh.reshape(1, 1, -1, qh.shape[-1]), k[None, None], v[None, None],
+                                               scale=scaling)  # fmt: skip
+            out[h * group : (h + 1) * group] = o.view(group, n_q, -1)
+            continue
+        delta = q_pos[:, None] - p[None, :]  # (T, n)
+        hidden = delta < 0 if window is None else (delta < 0) | (delta >= window)
+        mask = b.to(dtype)[None, :].masked_fill(hidden, float("-inf"))  # (T, n)
         shape = (group, n, k.shape[-1])
         o = F.scaled_dot_product_attention(
             qh[None], k.expand(shape)[None], v.expand(shape)[None], attn_mask=mask, scale=scaling
@@ -127,3 +135,37 @@ def dense_reference(
     logits = q.double() @ k.transpose(1, 2) * scaling + bias.double().repeat_interleave(group, 0)[:, None, :]
     logits = logits.masked_fill(~visible.repeat_interleave(group, 0), float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num(0.0) @ v
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and each row's log-sum-exp of its scaled logits, from torch's CPU flash kernel.
+
+    q (b, Hq, T, d), k, v (b, Hkv, S, d) with Hq a multiple of Hkv (GQA is native), T, S > 0; ``causal``
+    needs S == T. Returns out (b, Hq, T, d) in q's dtype and lse (b, Hq, T) in fp32 (fp64 for fp64 inputs).
+    The kernel is the one ``scaled_dot_product_attention`` runs on CPU, so the output is its output bit for bit.
+    """
+    if q.device.type != "cpu" or q.shape[2] == 0 or k.shape[2] == 0:  # the kernel aborts the process on 0 rows
+        raise ValueError(f"attention_with_lse runs on CPU with rows and keys, got {q.device} {tuple(q.shape)} "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if causal and k.shape[2] != q.shape[2]:
+        raise ValueError(f"a causal part is square: {q.shape[2]} rows, {k.shape[2]} keys")
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
+    return out, lse
+
+
+def merged_attention(
+    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, bool]], scaling: float
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Attention over keys split into parts, merged exactly: ``out = sum_i exp(lse_i - lse) out_i``.
+
+    The parts partition what the rows see; each is ``(k, v, causal)`` as in :func:`attention_with_lse`: a part
+    that every row sees whole, or the rows' own keys (causal, square). Splitting the repeat pass this way skips
+    the masked half of its square and gives the log-normaliser of any union of parts (``logaddexp`` of theirs).
+    Returns out (b, Hq, T, d) in q's dtype and each part's lse (b, Hq, T).
+    """
+    outs, lses = zip(*(attention_with_lse(q, k, v, scaling, causal) for k, v, causal in parts), strict=True)
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(o.to(total.dtype) * (lse - total).exp()[..., None] for o, lse in zip(outs, lses, strict=True))
+    return torch.as_tensor(out).to(q.dtype), list(lses)

@@ -11,6 +11,9 @@ memory is O(kv_heads x group x block x keys), never keys x keys for all heads at
 denominator is exact because each block row sees all of its visible keys. With keys in position order (as
 the oracle passes them) a block reads only the keys up to its last row and masks only those after its first:
 in the repeat prompt, the repeated tokens; the context before them is visible to every row.
+
+When the attention kernel already gives each row's log-normaliser (``lse_j``, see ``ops.attention``),
+``kvzip_scores_lse`` forms only the scored columns' logits: ``a_{j,i} = exp(s q_j.k_i - lse_j)``.
 """
 
 from __future__ import annotations
@@ -75,8 +78,7 @@ def kvzip_scores(
     q = (q * scaling).reshape(kv_heads, group, rows, d)  # query head h reads KV head h // group
     k_t = k.transpose(1, 2)  # (Hkv, d, N)
     wov = value_output_norms(v_cols, w_o)  # (Hkv, G, C)
-    # a row whose attention input is all zeros (a zero padding embedding) has no normalised share: / inf = 0
-    h_norm = torch.where(h_norm > 0, h_norm, torch.full_like(h_norm, float("inf")))
+    h_norm = _row_norms(h_norm)
     best = torch.full((kv_heads, group, cols.numel()), float("-inf"), dtype=dtype, device=q.device)
     best_plus = best.clone()
     n_cols = cols.numel()
@@ -98,6 +100,55 @@ def kvzip_scores(
         best = torch.maximum(best, attn.amax(dim=2))
         best_plus = torch.maximum(best_plus, attn.div_(h_norm[start:stop, None]).amax(dim=2))
     return best.amax(dim=1), (best_plus * wov).amax(dim=1)
+
+
+def kvzip_scores_lse(
+    q: torch.Tensor,
+    k_cols: torch.Tensor,
+    v_cols: torch.Tensor,
+    h_norm: torch.Tensor,
+    w_o: torch.Tensor,
+    scaling: float,
+    lse: torch.Tensor,
+    block: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVzip and KVzip+ of key columns that every row sees, given each row's log-normaliser.
+
+    Args:
+        q: (q_heads, rows, head_dim) post-rotary queries of the scoring rows.
+        k_cols: (kv_heads, n_cols, head_dim) post-rotary keys of the scored columns, all visible to every row.
+        v_cols: (kv_heads, n_cols, head_dim) their values.
+        h_norm: (rows,) ||h_j||.
+        w_o: (q_heads, head_dim, hidden) per-head output projection.
+        scaling: softmax scale of q.k.
+        lse: (q_heads, rows) log-sum-exp of each row's scaled logits over its softmax keys.
+        block: rows per block (64 is the fastest on a 2-core CPU at 2k columns: the blocks stay in cache).
+
+    Returns:
+        kvzip, kvzip_plus: (kv_heads, n_cols), as :func:`kvzip_scores` over the same softmax.
+    """
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    kv_heads, n_cols, d = k_cols.shape
+    group, rows = q.shape[0] // kv_heads, q.shape[1]
+    q = (q.to(dtype) * scaling).reshape(kv_heads, group, rows, d)
+    k_t = k_cols.to(dtype).transpose(1, 2)  # (Hkv, d, C)
+    lse = lse.to(dtype).reshape(kv_heads, group, rows, 1)
+    log_h = _row_norms(h_norm.to(dtype)).log()[:, None]  # (rows, 1)
+    # In the log domain: max_j exp(x_j) = exp(max_j x_j), so no exp over the (rows x cols) blocks.
+    best = torch.full((kv_heads, group, n_cols), float("-inf"), dtype=dtype, device=q.device)
+    best_plus = best.clone()
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        qb = q[:, :, start:stop].reshape(kv_heads, -1, d)
+        log_attn = (qb @ k_t).view(kv_heads, group, stop - start, n_cols).sub_(lse[:, :, start:stop])
+        best = torch.maximum(best, log_attn.amax(dim=2))
+        best_plus = torch.maximum(best_plus, log_attn.sub_(log_h[start:stop]).amax(dim=2))
+    return best.exp().amax(dim=1), (best_plus.exp() * value_output_norms(v_cols.to(dtype), w_o)).amax(dim=1)
+
+
+def _row_norms(h_norm: torch.Tensor) -> torch.Tensor:
+    """||h_j||, with inf for a row whose attention input is all zeros (a zero padding embedding): / inf = 0."""
+    return torch.where(h_norm > 0, h_norm, torch.full_like(h_norm, float("inf")))
 
 
 def _mask_span(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, min_end: int) -> tuple[int, int]:
