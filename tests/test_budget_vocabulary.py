@@ -74,6 +74,9 @@ def test_old_layouts_migrate_to_exactly_todays_configs() -> None:
     old = {**calibrated["method"], "calibrate_to": 0.75, "threshold": -4.0, "keep_ratio": None, "decoding": False}
     old.pop("calibrate")
     assert migrate.config({"method": old}) == (calibrated, ["decoding-type", "kvzap-calibrate"])
+    before_sinks = {"method": {k: v for k, v in calibrated["method"].items() if k != "sinks"}}
+    assert calibrated["method"]["sinks"] == 0 and migrate.config(before_sinks, added=True) == (calibrated, [])
+    assert migrate.config(before_sinks) == (before_sinks, [])  # an added option renames nothing: files keep it out
 
 
 def test_overrides_migrate_and_go_back() -> None:

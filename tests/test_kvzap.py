@@ -112,6 +112,19 @@ def test_a_threshold_that_evicts_everything_still_keeps_the_window(setup) -> Non
     assert all(layer.head_positions(0).min() == T + 10 - WINDOW for layer in cache.ragged)
 
 
+def test_sinks_are_never_evicted_in_prefill_or_decoding(setup) -> None:
+    model, adapter, ids, surrogate, _, _ = setup
+    pruner = ThresholdPruner(surrogate, float("inf"), window=WINDOW, sinks=4)
+    cache, _ = prefill(model, adapter, pruner, ids, chunk=64)
+    expected = [*range(4), *range(T - WINDOW, T)]
+    assert all(layer.head_positions(h).tolist() == expected for layer in cache.ragged for h in range(2))
+    with ragged_attention_enabled(model), torch.no_grad(), pruner.attach(adapter, cache):
+        for _ in range(5):
+            model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
+    expected = [*range(4), *range(T + 5 - WINDOW, T + 5)]
+    assert all(layer.head_positions(h).tolist() == expected for layer in cache.ragged for h in range(2))
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_same_evictions_as_kvpress_dms_kvzap_which_keeps_the_memory(setup, tmp_path, kind) -> None:
     from kvpress import DMSPress, KVzapPress

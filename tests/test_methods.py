@@ -13,6 +13,7 @@ from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions
 from kvresearch.models.ragged_attention import ragged_attention_enabled
+from kvresearch.ops.attention import uniform_stride
 from kvresearch.ops.selection import keep_topk
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
@@ -101,6 +102,63 @@ def test_fixed_budget_scopes() -> None:
     assert kept_values.min() >= flat.topk(60).values.min()
 
 
+@pytest.mark.parametrize("scope", ["token_layer", "token_model"])
+def test_token_scopes_equal_a_brute_force_over_positions(scope) -> None:
+    """One decision per position for every head of a layer (or every layer): its best score over them ranks it."""
+    g = torch.Generator().manual_seed(1)
+    layers, heads, n, ratio = 3, 2, 40, 0.3
+    scores = [torch.randn(heads, n, generator=g) for _ in range(layers)]
+    scores[1][0, 5] = float("inf")  # protected in one head of one layer
+    kept = keep_topk(scores, ratio, scope)
+    groups = [[i] for i in range(layers)] if scope == "token_layer" else [list(range(layers))]
+    for group in groups:
+        best = {p: max(float(scores[i][h, p]) for i in group for h in range(heads)) for p in range(n)}
+        top = sorted(range(n), key=lambda p: -best[p])[: round(ratio * n)]
+        expected = sorted(set(top) | {p for p in range(n) if best[p] == float("inf")})
+        for i in group:
+            assert all(k.tolist() == expected for k in kept[i]), (scope, i)
+    with pytest.raises(ValueError, match="as many positions"):
+        keep_topk([scores[0], scores[1][:, :30]], ratio, "token_model")
+
+
+@pytest.mark.parametrize(("keep", "n"), [(0.3, 40), (0.5, 57), (0.1, 33), (0.75, 16)])
+def test_adakv_scope_keeps_what_kvpress_adakv_press_keeps(keep, n) -> None:
+    """Item by item against kvpress's AdaKVPress on the same scores (its safeguard, budget and rounding)."""
+    from dataclasses import dataclass, field
+    from types import SimpleNamespace
+
+    from kvpress import AdaKVPress, ScorerPress
+
+    @dataclass
+    class Fixed(ScorerPress):
+        table: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            return self.table[None].clone()
+
+    g = torch.Generator().manual_seed(n)
+    scores = [torch.randn(4, n, generator=g) * (1 + h) for h in range(3)]  # heads of uneven spread
+    ours = keep_topk(scores, keep, "adakv")
+    for layer, s in enumerate(scores):
+        module = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"), layer_idx=layer)
+        press = AdaKVPress(Fixed(compression_ratio=round(1 - keep, 10), table=s))
+        press.compress(module, None, torch.zeros(1, 4, n, 2), None, None, {})
+        _, heads, positions = module.masked_key_indices
+        pruned = {(int(h), int(p)) for h, p in zip(heads, positions, strict=True)}
+        kept = {(h, int(p)) for h, k in enumerate(ours[layer]) for p in k}
+        assert kept == {(h, p) for h in range(4) for p in range(n)} - pruned, (keep, n, layer)
+        assert min(len(k) for k in ours[layer]) >= 1 and len({len(k) for k in ours[layer]}) > 1  # uneven heads
+
+
+def test_kvzip_with_a_token_scope_holds_the_same_positions_in_every_head(session, prompt) -> None:
+    cache = KVzip(plus=True, keep_ratio=0.4, scope="token_layer", chunk_size=64).compress(session, prompt)
+    for layer in cache.ragged:
+        assert layer.head_positions(0).tolist() == layer.head_positions(1).tolist()
+        assert set(range(prompt.head_len)) <= set(layer.head_positions(0).tolist())
+        assert uniform_stride(layer.starts, layer.lengths) is not None  # decodes by the one-call uniform path
+    assert torch.isfinite(next_logits_ragged(session, cache)).all()
+
+
 def test_kvzip_oracle_method_keeps_the_head_and_the_budget(session, prompt) -> None:
     method = KVzip(plus=True, keep_ratio=0.4, scope="global", chunk_size=64)
     cache = method.compress(session, prompt)
@@ -161,12 +219,17 @@ def test_kvzap_keep_ratio_zero_still_keeps_the_window(session, prompt, tmp_path)
     adapter = session.adapter
     surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
     n = prompt.context_ids.shape[1]
-    for scope in ("head", "layer", "global"):
+    for scope in ("head", "layer", "global", "token_layer", "token_model"):
         cache = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.0, scope=scope, window=16).compress(
             session, prompt
         )
         for layer in cache.ragged:
             assert all(layer.head_positions(h).tolist() == list(range(n - 16, n)) for h in range(2))
+    cache = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.0, window=16, sinks=3).compress(session, prompt)
+    for layer in cache.ragged:
+        assert all(layer.head_positions(h).tolist() == [0, 1, 2, *range(n - 16, n)] for h in range(2))
+    with pytest.raises(KVResearchError, match="window and sinks must be >= 0"):
+        KVzap(surrogate=surrogate, threshold=-4.0, sinks=-1)
 
 
 @pytest.mark.parametrize(

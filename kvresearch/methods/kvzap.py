@@ -6,6 +6,9 @@ with a predicted log score below ``threshold`` is evicted from that KV head, phy
 compacted after every call of more than one token, and during decoding once enough entries are dead).
 The rule is the one of kvpress's ``DMSPress(KVzapPress)``, which only masks evicted pairs.
 
+``sinks``: the first ``sinks`` tokens of the sequence are never evicted (scored +inf), as the attention sink
+that some heads need (issue 52: KVzap evicted the first token in some heads and QuALITY's fidelity fell).
+
 ``max_entries`` adds a memory budget: after the threshold rule, a KV head that holds more than
 ``max_entries`` entries loses its lowest-scored entries outside the window until it fits. Scores never
 change, so the survivors are at every step the top-scored of the tokens that have left the window.
@@ -75,6 +78,7 @@ class ThresholdPruner:
     threshold: float  # log-space threshold tau
     window: int = 128
     max_entries: int | None = None  # per KV head, at every step (None: no budget)
+    sinks: int = 0  # the first positions, never evicted
     compact_every: int = 64  # during decoding, compact a layer once this many entries are dead per head
 
     @contextmanager
@@ -98,6 +102,7 @@ class ThresholdPruner:
                 hidden = inputs.pop(index)[0]
                 x = with_context(surrogate.config.context, adapter, index, hidden, positions, rates["call"], layer.seen)
                 scores = surrogate.forward_layer(index, x).T.float()  # (Hkv, T)
+                scores[:, positions < self.sinks] = float("inf")
             timer.seconds += time.perf_counter() - start
             if index in pending_pos:
                 positions = torch.cat([pending_pos[index], positions])
@@ -142,8 +147,9 @@ class KVzap(Method):
     name: str = "kvzap"
     surrogate: Surrogate
     threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
-    scope: str = "head"  # for keep_ratio: head | layer | global
+    scope: str = "head"  # for keep_ratio: ops.selection.SCOPES
     window: int = 128
+    sinks: int = 0  # the first positions, never evicted
     max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
     chunk_size: int | None = None  # prefill chunk; bounds peak memory by chunk + kept cache
     calibrate: bool = False  # keep_ratio reached on average by one threshold calibrated on held-out contexts
@@ -157,8 +163,10 @@ class KVzap(Method):
         self.require_one("threshold")
         if self.scope not in SCOPES:
             raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
-        if self.window < 0:
-            raise KVResearchError(f"method {self.name}: window must be >= 0, got {self.window}.")
+        if self.window < 0 or self.sinks < 0:
+            raise KVResearchError(
+                f"method {self.name}: window and sinks must be >= 0, got {self.window} and {self.sinks}."
+            )
         if self.calibrate and (self.keep_ratio is None or not 0 < self.keep_ratio <= 1):
             raise KVResearchError(
                 f"method {self.name}: calibrate=true sets the threshold that keeps keep_ratio of held-out contexts "
@@ -169,10 +177,10 @@ class KVzap(Method):
                 f"method {self.name}: decoding and max_entries prune by threshold; set method.threshold and "
                 "method.keep_ratio=null, or reach a keep ratio by a threshold with method.calibrate=true."
             )
-        if self.max_entries is not None and self.max_entries <= self.window:
+        if self.max_entries is not None and self.max_entries <= self.window + self.sinks:
             raise KVResearchError(
-                f"method {self.name}: max_entries={self.max_entries} must exceed the window ({self.window}), "
-                "which is always kept: raise max_entries or lower method.window."
+                f"method {self.name}: max_entries={self.max_entries} must exceed the window ({self.window}) plus the "
+                f"sinks ({self.sinks}), which are always kept: raise max_entries, or lower method.window or sinks."
             )
 
     def budget(self) -> str:
@@ -223,12 +231,15 @@ class KVzap(Method):
             def held_out(ids: torch.Tensor = prompt.context_ids) -> dict[str, torch.Tensor]:
                 _, scores = self.scores(session, ids)
                 tokens = scores[0].shape[1]
-                kept = torch.cat([s[:, : max(tokens - self.window, 0)].reshape(-1) for s in scores])
+                kept = torch.cat([s[:, self.sinks : max(tokens - self.window, 0)].reshape(-1) for s in scores])
                 return {"eligible": kept, "entries": torch.tensor([sum(s.numel() for s in scores)])}
 
             # Each target prune ratio of a sweep calibrates on the same scores: computed once per surrogate.
             digest = hashlib.sha1(str(prompt.context_ids[0].tolist()).encode()).hexdigest()
-            key = f"kvzap-held-out|{weights.hexdigest()}|{self.surrogate.config}|window={self.window}|ids={digest}"
+            sinks = f"|sinks={self.sinks}" if self.sinks else ""
+            key = (
+                f"kvzap-held-out|{weights.hexdigest()}|{self.surrogate.config}|window={self.window}{sinks}|ids={digest}"
+            )
             got = session.memo.get_or_compute(key, held_out) if session.memo is not None else held_out()
             eligible.append(got["eligible"])
             entries.append(int(got["entries"][0]))
@@ -239,7 +250,7 @@ class KVzap(Method):
     def pruner(self) -> ThresholdPruner:
         """The threshold rule with this method's settings."""
         assert self.threshold is not None
-        return ThresholdPruner(self.surrogate, float(self.threshold), self.window, self.max_entries)
+        return ThresholdPruner(self.surrogate, float(self.threshold), self.window, self.max_entries, sinks=self.sinks)
 
     def _check_fits(self, session: Session) -> None:
         config, adapter = self.surrogate.config, session.adapter
@@ -266,7 +277,9 @@ class KVzap(Method):
             self._scoring_s = timer.seconds
             return cache
         prefill, scores = self.scores(session, prompt.context_ids)
-        return cache_from_scores(prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window)
+        return cache_from_scores(
+            prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window, sinks=self.sinks
+        )
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
         """With ``decoding`` on, the pruner stays attached while generating."""

@@ -30,7 +30,7 @@ class KVzip(Method):
     name: str = "kvzip_plus"
     plus: bool = True
     threshold: float | None = None
-    scope: str = "global"  # for keep_ratio: head | layer | global
+    scope: str = "global"  # for keep_ratio: ops.selection.SCOPES
     chunk_size: int = 2048
     window: int = 0  # most recent tokens always kept
     decoding_fields = ("interval", "target_size", "protect")  # re-compression while generating (methods/decoding.py)

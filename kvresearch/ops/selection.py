@@ -5,13 +5,23 @@ The result is, per layer and head, the sorted indices of the kept entries. With 
 budget is round(r x entries) over the chosen scope: each head keeps the same share (``head``), each layer
 does while its heads compete (``layer``), or all layers and heads compete (``global``). Entries scored
 +inf (a protected window, sinks) are kept even when the budget is smaller than they are.
+
+``adakv`` is AdaKV's head-adaptive budget as kvpress's ``AdaKVPress`` computes it: each layer keeps
+``heads x n_kept`` entries (``n_kept = max(1, int(n x (1 - compression_ratio)))``, kvpress's rounding), its heads
+compete for them, and each head first keeps its top ``safeguard`` share of ``n_kept`` (0.2, at least one).
+
+The token scopes are what serving engines can hold: a position is kept or evicted in every head of a layer at
+once (``token_layer``: paged engines, whose pages span all heads) or in every layer (``token_model``:
+llama.cpp). A position scores the maximum over the heads (and layers) that share the decision, so it stays
+when any of them needs it; each layer (or the model) keeps round(r x positions) positions.
 """
 
 from __future__ import annotations
 
 import torch
 
-SCOPES = ("head", "layer", "global")
+SCOPES = ("head", "layer", "global", "adakv", "token_layer", "token_model")
+ADAKV_SAFEGUARD = 0.2  # kvpress AdaKVPress.alpha_safeguard
 
 
 def protect_window(scores: list[torch.Tensor], window: int, sinks: int = 0) -> list[torch.Tensor]:
@@ -27,7 +37,9 @@ def protect_window(scores: list[torch.Tensor], window: int, sinks: int = 0) -> l
     return out
 
 
-def keep_topk(scores: list[torch.Tensor], keep_ratio: float, scope: str = "head") -> list[list[torch.Tensor]]:
+def keep_topk(
+    scores: list[torch.Tensor], keep_ratio: float, scope: str = "head", safeguard: float = ADAKV_SAFEGUARD
+) -> list[list[torch.Tensor]]:
     """Indices kept per layer and head under a ``keep_ratio`` budget over ``scope`` (see module docstring)."""
     if not 0.0 <= keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must lie in [0, 1], got {keep_ratio}")
@@ -42,6 +54,18 @@ def keep_topk(scores: list[torch.Tensor], keep_ratio: float, scope: str = "head"
             masks.append(mask)
     elif scope == "layer":
         masks = [_top_mask(s, round(keep_ratio * s.numel())) for s in scores]
+    elif scope == "adakv":
+        masks = [_adakv_mask(s, keep_ratio, safeguard) for s in scores]
+    elif scope == "token_layer":
+        masks = [_top_mask(s.amax(dim=0), round(keep_ratio * s.shape[1])).expand_as(s) for s in scores]
+    elif scope == "token_model":
+        if len({s.shape[1] for s in scores}) > 1:
+            raise ValueError(
+                f"scope token_model needs as many positions in every layer, got {[s.shape[1] for s in scores]}"
+            )
+        best = torch.stack([s.amax(dim=0) for s in scores]).amax(dim=0)  # (n,)
+        kept_positions = _top_mask(best, round(keep_ratio * best.numel()))
+        masks = [kept_positions.expand_as(s) for s in scores]
     else:
         flat = torch.cat([s.flatten() for s in scores])
         kept = _top_mask(flat, round(keep_ratio * flat.numel()))
@@ -49,13 +73,32 @@ def keep_topk(scores: list[torch.Tensor], keep_ratio: float, scope: str = "head"
         for s in scores:
             masks.append(kept[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
-    masks = [mask | torch.isposinf(s) for mask, s in zip(masks, scores, strict=True)]
+    protected = [torch.isposinf(s) for s in scores]
+    if scope == "token_layer":  # a position protected in one head is kept in every head that shares the decision
+        protected = [p.any(dim=0).expand_as(p) for p in protected]
+    elif scope == "token_model":
+        anywhere = torch.stack([p.any(dim=0) for p in protected]).any(dim=0)
+        protected = [anywhere.expand_as(p) for p in protected]
+    masks = [mask | p for mask, p in zip(masks, protected, strict=True)]
     return [[torch.nonzero(row).view(-1) for row in mask] for mask in masks]
 
 
 def keep_threshold(scores: list[torch.Tensor], threshold: float) -> list[list[torch.Tensor]]:
     """Indices whose score is at least ``threshold``, per layer and head."""
     return [[torch.nonzero(row >= threshold).view(-1) for row in s] for s in scores]
+
+
+def _adakv_mask(scores: torch.Tensor, keep_ratio: float, safeguard: float) -> torch.Tensor:
+    """One layer's AdaKV selection (module docstring): scores (kv_heads, n) -> kept mask (kv_heads, n)."""
+    heads, n = scores.shape
+    ratio = 1.0 - round(1.0 - keep_ratio, 10)  # through kvpress's compression ratio, so that int() rounds alike
+    n_kept = 0 if keep_ratio == 0 else max(1, int(n * ratio))
+    n_safe = int(n_kept * safeguard)
+    if safeguard > 0:
+        n_safe = max(1, n_safe) if n_kept > 0 else 0
+    safe = scores.clone()
+    safe.scatter_(1, scores.topk(n_safe, dim=1).indices, torch.finfo(safe.dtype).max)
+    return _top_mask(safe, heads * n_kept)
 
 
 def _top_mask(values: torch.Tensor, k: int) -> torch.Tensor:

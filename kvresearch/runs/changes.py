@@ -133,7 +133,7 @@ def stored_changes(
     ``stored_checkout``: the checkout the run ran in (its absolute paths compare relative to it);
     ``unknown_ok``: see :func:`inputs_changed`.
     """
-    stored = migrate.config(dict(stored))[0]  # options renamed since compare under today's names
+    stored = migrate.config(dict(stored), added=True)[0]  # under today's names, with the options added since
     now = resolved(cfg)
     root = str(now.get("paths", {}).get("root", cfg.paths.root))
     stored_roots = {"outputs": str((stored.get("paths") or {}).get("root", "")), "checkout": stored_checkout}

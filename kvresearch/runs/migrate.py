@@ -11,6 +11,9 @@ records (from the cells of the experiments) whose names hold a renamed override.
 * ``am-groups``: Attention Matching's flat options became four groups (``queries``, ``keys``, ``fit``,
   ``budgets``; ``methods/am_options.py``).
 * ``decoding-type``: KVzap's ``decoding: false`` became ``null``, as for every method.
+
+Options added since, with the value that computes what runs made before them computed (:data:`ADDED`),
+are filled in for the change check only (``added=True``): an added option renames nothing, so files keep them out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Iterable
 from typing import Any
 
 RENAMES = ("kvzap-calibrate", "am-groups", "decoding-type")
+# method class (suffix of _target_) -> option -> the value that computes what runs made before it computed
+ADDED: dict[str, dict[str, Any]] = {".KVzap": {"sinks": 0}}
 AM_GROUPS = {  # old flat option -> (group, new name)
     "queries": ("queries", "sources"),
     "self_study": ("queries", "self_study"),
@@ -54,13 +59,17 @@ def _flat(key: str, value: Any) -> bool:
     return key in AM_GROUPS and (not isinstance(value, dict) or (key == "budgets" and "_target_" in value))
 
 
-def _method(node: Any, applied: list[str]) -> Any:
+def _method(node: Any, applied: list[str], added: bool = False) -> Any:
     """One method node (a mapping with ``_target_``; nested ``then`` methods too) in today's layout."""
     if not isinstance(node, dict):
         return node
     target = str(node.get("_target_", ""))
     if "then" in node:
-        node["then"] = _method(node["then"], applied)
+        node["then"] = _method(node["then"], applied, added)
+    for suffix, defaults in ADDED.items():
+        if added and target.endswith(suffix):
+            for option, before in defaults.items():
+                node.setdefault(option, before)
     if target.endswith(".KVzap"):
         if node.get("calibrate_to") is not None:
             node["calibrate"], node["keep_ratio"], node["threshold"] = True, keep_of(node["calibrate_to"]), None
@@ -82,11 +91,14 @@ def _method(node: Any, applied: list[str]) -> Any:
     return node
 
 
-def config(stored: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``stored`` (a run's config) with renamed options under today's names, and the renames applied."""
+def config(stored: dict[str, Any], added: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """``stored`` (a run's config) with renamed options under today's names, and the renames applied.
+
+    ``added``: also fill in the options added since (:data:`ADDED`), as the change check compares them.
+    """
     out, applied = copy.deepcopy(stored), list[str]()
     if isinstance(out.get("method"), dict):
-        out["method"] = _method(out["method"], applied)
+        out["method"] = _method(out["method"], applied, added)
     return out, sorted(set(applied))
 
 
