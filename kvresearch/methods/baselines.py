@@ -50,12 +50,44 @@ class KVPress(Method):
             ) from error
 
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
-        """A dense prefill with the press applied, its result moved into the ragged cache."""
-        return press_prefill(session, prompt.context_ids, self.press, self.attn_implementation)
+        """A dense prefill with the press applied, its result moved into the ragged cache.
+
+        A decoding press (kvpress's ``DecodingPress`` family) leaves the prefill alone, as kvpress's pipeline does;
+        ``PrefillDecodingPress`` prefills with its ``prefilling_press``.
+        """
+        prefill, _ = self._phases()
+        if prefill is None:
+            cache = session.new_cache()
+            session.ragged_prefill(prompt.context_ids, cache)
+            cache.compact()
+            self._report = {}
+            return cache
+        cache = press_prefill(session, prompt.context_ids, prefill, self.attn_implementation)
+        self._report = {"peak_kv_bytes": cache.method_state.pop("peak_kv_bytes")}
+        return cache
+
+    def report(self) -> dict[str, Any]:
+        """The peak of the KV bytes held while the press ran (dense layers, captured pairs, ragged cache)."""
+        return dict(getattr(self, "_report", {}))
+
+    def _phases(self) -> tuple[Any, Any]:
+        """The press that runs at the prefill (or None) and the decoding press given as the method's press (or None)."""
+        from kvpress import DecodingPress, PrefillDecodingPress
+
+        if isinstance(self.press, PrefillDecodingPress):
+            return self.press.prefilling_press, self.press.decoding_press
+        if isinstance(self.press, DecodingPress):
+            return None, self.press
+        return self.press, None
 
     def _decoding_press(self) -> Any:
         from kvpress import AdaKVPress, DecodingPress, ScorerPress
 
+        if self._phases()[1] is not None:
+            raise KVResearchError(
+                f"method {self.name}: {type(self.press).__name__} compresses while decoding already; set "
+                "method.decoding=null (its own compression_interval and target_size apply)."
+            )
         if not isinstance(self.press, (ScorerPress, AdaKVPress)):
             raise KVResearchError(
                 f"method {self.name}: kvpress's DecodingPress needs a scorer press, not {type(self.press).__name__}; "
@@ -69,7 +101,10 @@ class KVPress(Method):
         )
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:
-        """With ``decoding`` set, kvpress's DecodingPress compresses the cache while generating."""
+        """With ``decoding`` set (or a decoding press as the press), kvpress's DecodingPress runs while generating."""
+        given = self._phases()[1]
+        if given is not None:
+            return decoding_press(session, cache, given)
         return decoding_press(session, cache, self._decoding_press()) if self.decoding else nullcontext()
 
 

@@ -1,11 +1,18 @@
 """kvpress presses with real eviction (model glue: kvpress's cache and module conventions live here).
 
 A press runs during a dense prefill exactly as in kvpress. Its result then moves into the ragged
-cache: presses that drop pairs (ScorerPress family: SnapKV, StreamingLLM, TOVA, Knorm,
-ExpectedAttention, PyramidKV, ObservedAttention) leave fewer keys per layer, whose positions we recover
-by matching them to the keys captured before the press ran; presses that only mask pairs (DMSPress,
-KVzipPress, AdaKV-style) leave ``module.masked_key_indices``, whose pairs we drop. Either way the memory
-kvpress keeps is freed.
+cache, whatever the press (``methods/press_catalog.py`` lists them all):
+
+* presses that drop pairs (the ScorerPress family and its wrappers) leave fewer keys per head, whose
+  positions we recover by matching them to the keys captured before the press ran, or, where the press
+  rewrote the keys (KeyRerotationPress, FinchPress), to the values;
+* presses that only mask pairs (DMSPress, KVzipPress, AdaKVPress, DuoAttentionPress, ...) leave
+  ``module.masked_key_indices``, whose pairs we drop;
+* presses that rewrite contents (MergingPress's values, ThinKPress's zeroed key channels, the re-rotated
+  keys) hand over their tensors as they are: the ragged cache holds exactly what kvpress's cache holds.
+
+Either way the memory kvpress keeps for masked pairs is freed. Re-rotated keys sit at positions
+``0 .. m-1`` (kvpress's pipeline then continues the question at ``m``): the ragged layer says so.
 
 While decoding, :func:`decoding_press` runs kvpress's ``DecodingPress`` on the ragged cache: its own
 schedule (every ``compression_interval`` steps per layer), hidden-state buffer and ``compress`` (the base
@@ -54,7 +61,7 @@ def cache_positions(adapter: Any) -> Iterator[None]:
             handle.remove()
 
 
-def _row_hashes(x: torch.Tensor) -> torch.Tensor:
+def row_hashes(x: torch.Tensor) -> torch.Tensor:
     """(rows,) int64: a hash of each row's bytes (rows of ``x`` (rows, d) that are bitwise equal hash equal)."""
     raw = x.detach().contiguous().view(torch.uint8).reshape(x.shape[0], -1)
     pad = (-raw.shape[1]) % 8
@@ -70,16 +77,22 @@ def _positions_of(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
     (sorted and searched, O(T log T) in tensor operations), and the rows found are checked bit for bit. Where
     that is not enough (a row not found, two original rows alike), :func:`_nearest_positions` decides, in O(n T d).
     """
+    rows = _exact_positions(kept, original)
+    return _nearest_positions(kept, original) if rows is None else rows
+
+
+def _exact_positions(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_positions_of` where every row of ``kept`` is a bitwise copy of a distinct row; else None."""
     if kept.dtype == original.dtype and kept.shape[0] <= original.shape[0]:
-        hashes = _row_hashes(original)
+        hashes = row_hashes(original)
         order = hashes.argsort()
         ranked = hashes[order]
-        found = torch.searchsorted(ranked, _row_hashes(kept)).clamp(max=len(ranked) - 1)
+        found = torch.searchsorted(ranked, row_hashes(kept)).clamp(max=len(ranked) - 1)
         rows = order[found]
         unique = bool((ranked[1:] != ranked[:-1]).all())
         if unique and torch.equal(original[rows], kept) and rows.unique().numel() == rows.numel():
             return rows
-    return _nearest_positions(kept, original)
+    return None
 
 
 def _nearest_positions(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
@@ -105,6 +118,12 @@ def press_prefill(
 ) -> RaggedCache:
     """Prefill ``ids`` (1, T) with ``press`` applied (kvpress's own code) and return what it kept, ragged.
 
+    Where the press compresses inside each layer's forward (kvpress's ``BasePress`` context manager), a layer
+    moves into the ragged cache as soon as the press has run on it, and its dense pairs are freed: at most one
+    layer is held densely besides what is kept. Presses that evict after the prefill (KVzip, KVgrad, Fast KVzip,
+    KVCompose) move at the end. The peak of the bytes held (dense cache, pairs captured before the press,
+    ragged cache) is in ``cache.method_state["peak_kv_bytes"]``.
+
     Args:
         session: the model.
         ids: (1, T) the context.
@@ -112,42 +131,120 @@ def press_prefill(
         attn_implementation: run the prefill with this attention (e.g. "eager" for presses that read the
             attention weights); the model's own is restored afterwards.
     """
+    from kvpress.presses.base_press import BasePress
+
     model = session.model
     ids = ids.to(session.device)
-    originals: dict[int, torch.Tensor] = {}
-    record = lambda layer, q, k, v: originals.__setitem__(layer, k[0].detach().clone())  # (Hkv, T, d)
+    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     dense = DynamicCache()
+    out = RaggedCache(len(session.adapter.layers), session.windows)
+    peak = 0
+
+    def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The pairs of the layer's first call (the context), before the press: (Hkv, T, d) each."""
+        originals.setdefault(layer, (k[0].detach().clone(), v[0].detach().clone()))
+
+    def observe() -> None:
+        nonlocal peak
+        held = sum(_nbytes(e.keys, e.values) for e in dense.layers) + sum(_nbytes(*t) for t in originals.values())
+        peak = max(peak, held + out.kv_bytes()["allocated"])
+
+    def settle(module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
+        observe()
+        if type(press).__call__ is BasePress.__call__ and int(module.layer_idx) in originals:
+            _move(session, press, dense, originals, out, int(module.layer_idx), ids.shape[1])
+
     previous = model.config._attn_implementation
     if attn_implementation:
         model.set_attn_implementation(attn_implementation)
     try:
-        with attention_calls(session.adapter, record), cache_positions(session.adapter), press(model):
+        with (
+            attention_calls(session.adapter, record),
+            cache_positions(session.adapter),
+            after_attention(session.adapter, lambda *_: observe()),  # before the press: its layer still whole
+            press(model),
+            after_attention(session.adapter, settle),  # registered after the press's hooks: runs after them
+        ):
             model(input_ids=ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)
-    n = ids.shape[1]
-    out = RaggedCache(len(session.adapter.layers), session.windows)
-    for index, (spec, layer) in enumerate(zip(session.adapter.layers, out.ragged, strict=True)):
-        entry = dense.layers[index]
-        assert entry.keys is not None and entry.values is not None
-        keys, values = entry.keys[0], entry.values[0]  # (Hkv, n or n_kept, d)
-        if keys.shape[1] == n:  # pairs masked (or none touched): keep the unmasked ones
-            mask = torch.ones(keys.shape[0], n, dtype=torch.bool)
-            masked = getattr(spec.attn, "masked_key_indices", None)
-            if masked is not None:
-                _, heads, positions = masked
-                mask[heads.cpu(), positions.cpu()] = False
-                spec.attn.masked_key_indices = None
-            layer.update(keys[None], values[None], {"cache_position": torch.arange(n, device=keys.device)})
-            layer.keep_only([torch.nonzero(row).view(-1) for row in mask])
-            continue
-        # Pairs were dropped: each kept pair at its position (found among the keys before the press), in order.
-        rows = torch.stack([_positions_of(keys[h], originals[index][h]) for h in range(keys.shape[0])])  # (Hkv, m)
+    observe()
+    for index in sorted(originals):
+        _move(session, press, dense, originals, out, index, ids.shape[1])
+    out.method_state["peak_kv_bytes"] = peak
+    return out
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@contextmanager
+def after_attention(adapter: Any, hook: Any) -> Iterator[None]:
+    """``hook(module, args, kwargs, output)`` after every attention module's forward (and hooks registered before)."""
+    handles = [layer.attn.register_forward_hook(hook, with_kwargs=True) for layer in adapter.layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _move(
+    session: Session, press: Any, dense: DynamicCache, originals: dict, out: RaggedCache, index: int, n: int
+) -> None:
+    """Move layer ``index`` of ``dense`` (after the press) into ``out``; free its dense pairs and captured pairs."""
+    spec, layer, entry = session.adapter.layers[index], out.ragged[index], dense.layers[index]
+    assert entry.keys is not None and entry.values is not None
+    keys, values = entry.keys[0], entry.values[0]  # (Hkv, n or n_kept, d)
+    before = originals.pop(index)
+    if keys.shape[1] > n:
+        raise KVResearchError(
+            f"{type(press).__name__} left {keys.shape[1]} pairs in layer {index} for a context of {n} tokens (pairs "
+            "of its own extra passes that kvpress keeps too); it cannot be bridged. For KVComposePress, set "
+            "structured=true."
+        )
+    if keys.shape[1] == n:  # pairs masked (or none touched): keep the unmasked ones
+        mask = torch.ones(keys.shape[0], n, dtype=torch.bool)
+        masked = getattr(spec.attn, "masked_key_indices", None)
+        if masked is not None:
+            _, heads, positions = masked
+            mask[heads.cpu(), positions.cpu()] = False
+            spec.attn.masked_key_indices = None
+        layer.update(keys[None], values[None], {"cache_position": torch.arange(n, device=keys.device)})
+        layer.keep_only([torch.nonzero(row).view(-1) for row in mask])
+        layer.compact()
+    else:  # pairs dropped: each kept pair at its position (found among the pairs before the press), in order
+        rows = torch.stack([kept_positions(keys[h], values[h], before[0][h], before[1][h]) for h in range(len(keys))])
         order = rows.argsort(dim=1)[..., None]  # (Hkv, m, 1)
         k, v = (t.gather(1, order.expand(-1, -1, t.shape[-1])) for t in (keys, values))
-        layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
-        layer.seen = n  # the context's length, whether or not its last pair was kept
-    return out
+        if rerotates(press):  # keys re-rotated to 0 .. m-1 in kvpress's order (sorted positions)
+            layer.update(k[None], v[None], {"cache_position": torch.arange(k.shape[1], device=k.device)})
+            out.stands_for = n
+        else:
+            layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
+            layer.seen = n  # the context's length, whether or not its last pair was kept
+    entry.keys, entry.values = keys[None, :, :0], values[None, :, :0]  # freed (kvpress's later passes see none)
+
+
+def rerotates(press: Any) -> bool:
+    """Whether ``press`` re-rotates the kept keys to positions ``0 .. m-1`` (kvpress's pipeline then continues at m)."""
+    from kvpress import FinchPress, KeyRerotationPress
+
+    return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+
+
+def kept_positions(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Positions (m,) of kept pairs ``k``, ``v`` (m, d) among the pairs before the press, ``keys``, ``values`` (T, d).
+
+    By the keys where the press copied them (bit for bit), else by the values (a press that re-rotated the keys
+    copies the values), else by the nearest pairs (keys and values together).
+    """
+    for kept, original in ((k, keys), (v, values)):
+        rows = _exact_positions(kept, original)
+        if rows is not None:
+            return rows
+    return _nearest_positions(torch.cat([k, v], dim=-1), torch.cat([keys, values], dim=-1))
 
 
 @torch.no_grad()
@@ -206,7 +303,7 @@ def decoding_press(session: Session, cache: RaggedCache, press: Any) -> Iterator
         index = int(module.layer_idx)
         buffers[index].append(hidden.detach().clone())
         steps[index] += 1
-        if steps[index] >= press.compression_interval:
+        if steps[index] >= press.compression_interval or hidden.shape[1] >= press._resolve_target_size(kwargs):
             keys, values = _dense_view(cache, index)
             kept_k, kept_v = press.compress(module, torch.cat(buffers[index], dim=1), keys, values, None, kwargs)
             pairs, kept = torch.cat([keys, values], dim=-1)[0], torch.cat([kept_k, kept_v], dim=-1)[0]

@@ -1,0 +1,141 @@
+"""A press of the catalog against kvpress itself, item by item: the pairs each head keeps, and the answer.
+
+kvpress's side is its own code on a dense ``DynamicCache``: its prefill under the press, the masks it leaves,
+and its pipeline's greedy answer. Our side is the method of the catalog's YAML: the ragged cache with real
+eviction, and the evaluate stage's generation. A head matches when it holds the same (key, value) pairs, bit
+for bit, whatever their order (``row_hashes`` of each pair, sorted). Bytes: what each side holds after the
+prefill (kvpress's masked pairs stay in its cache), and the peak held while the press ran.
+
+Presses that need a file get seeded placeholder files (:func:`placeholder_files`): they check the bridge,
+not the press (no Q-Filters, Fast KVzip gates or LU-KV curves exist for the models here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from kvresearch.models.cache import RaggedCache
+from kvresearch.models.presses import after_attention, cache_positions, row_hashes
+from kvresearch.models.session import Session
+
+HeadHashes = list[list[torch.Tensor]]  # [layer][KV head] -> sorted (kept,) int64 hashes of the kept pairs
+
+
+def placeholder_files(model: Any, folder: Path) -> dict[str, str]:
+    """Seeded files in kvpress's formats for the presses that need one: the press field -> path."""
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+    from kvpress.presses.qfilter_press import QFilters
+
+    config = model.config
+    layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    torch.manual_seed(0)
+    QFilters(layers, heads, dim).save_pretrained(folder / "qfilters")
+    group = config.num_attention_heads // heads
+    gates = [FastKVzipGate(i, config.hidden_size, heads, group, torch.float32).state_dict() for i in range(layers)]
+    torch.save({"module": gates}, folder / f"q{group}_dim16_sink16.pt")
+    curves = np.tile(np.linspace(0.01, 0.99, 99)[:, None, None], (1, layers, heads))  # uniform over layers/heads
+    np.save(folder / "lukv_curves.npy", curves)
+    return {
+        "filters": str(folder / "qfilters"),
+        "gates_file": str(folder / f"q{group}_dim16_sink16.pt"),
+        "curves": str(folder / "lukv_curves.npy"),
+    }
+
+
+def reference(press: Any, ids: torch.Tensor, vocab: int) -> tuple[Any, torch.Tensor]:
+    """The press and input kvpress runs for ``press``: FinchPress gets a delimiter (an unused id) before the window."""
+    from kvpress import FinchPress
+
+    from kvresearch.models.press_files import WindowFinchPress
+
+    if not isinstance(press, WindowFinchPress):
+        return press, ids
+    free = sorted(set(range(vocab)) - set(ids[0].tolist()))[-1]
+    theirs = FinchPress(press.compression_ratio, press.chunk_length, press.normalize_scores, press.rerotate_keys)
+    theirs.delimiter_token_id = free
+    cut = ids.shape[1] - min(press.window, ids.shape[1] - 1)
+    return theirs, torch.cat([ids[:, :cut], torch.tensor([[free]]), ids[:, cut:]], dim=1)
+
+
+@torch.no_grad()
+def kvpress_kept(
+    session: Session, ids: torch.Tensor, press: Any, attn: str | None
+) -> tuple[HeadHashes, dict, DynamicCache]:
+    """Kvpress prefills ``ids`` (1, T) under ``press``: each head's kept pairs, its bytes (held, peak), its cache."""
+    model, dense, peak = session.model, DynamicCache(), [0]
+
+    def observe(*_: Any) -> None:
+        peak[0] = max(peak[0], sum(_bytes(e) for e in dense.layers))
+
+    previous = model.config._attn_implementation
+    if attn:
+        model.set_attn_implementation(attn)
+    try:
+        with (
+            cache_positions(session.adapter),
+            after_attention(session.adapter, observe),  # before the press's hook: the layer still whole
+            press(model),
+            after_attention(session.adapter, observe),
+        ):
+            model(input_ids=ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    observe()
+    out: HeadHashes = []
+    for index, spec in enumerate(session.adapter.layers):
+        entry = dense.layers[index]
+        assert entry.keys is not None and entry.values is not None
+        keep = torch.ones(entry.keys.shape[1:3], dtype=torch.bool)  # (Hkv, T)
+        if getattr(spec.attn, "masked_key_indices", None) is not None:
+            _, heads, positions = spec.attn.masked_key_indices
+            keep[heads.cpu(), positions.cpu()] = False
+            spec.attn.masked_key_indices = None
+        pairs = torch.cat([entry.keys[0], entry.values[0]], dim=-1)  # (Hkv, T, 2d)
+        out.append([row_hashes(pairs[h][keep[h]]).sort().values for h in range(len(pairs))])
+    return out, {"kept_bytes": sum(_bytes(e) for e in dense.layers), "peak_bytes": peak[0]}, dense
+
+
+@torch.no_grad()
+def dense_answer(session: Session, cache: DynamicCache, start: int, question: torch.Tensor, new_tokens: int) -> str:
+    """Greedy answer from kvpress's ``cache`` fed one token at a time from position ``start`` (no mask needed).
+
+    For presses whose layers keep different lengths, which kvpress's pipeline decodes with flash attention only:
+    a query of one token sees its layer's whole cache, so no mask is built. Stops at an end token, as kvpress.
+    """
+    tokens: list[int] = []
+    feed = question[0].tolist()
+    eos = session.eos_ids()
+    for step in range(question.shape[1] + new_tokens - 1):
+        token = feed[step] if step < len(feed) else tokens[-1]
+        position = torch.tensor([[start + step]])
+        logits = session.model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=position).logits
+        if step >= len(feed) - 1:
+            tokens.append(int(logits[0, -1].argmax()))
+            if tokens[-1] in eos:
+                tokens.pop()
+                break
+    return str(session.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
+
+
+def _bytes(entry: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in (entry.keys, entry.values) if t is not None)
+
+
+def ours_kept(cache: RaggedCache) -> HeadHashes:
+    """Each head's kept pairs in the ragged cache, as :func:`kvpress_kept` gives them."""
+    out = []
+    for layer in cache.ragged:
+        rows = [layer.head_rows(h) for h in range(len(layer.caps))]
+        out.append([row_hashes(torch.cat([layer.k[r], layer.v[r]], dim=-1)).sort().values for r in rows])
+    return out
+
+
+def same_heads(ours: HeadHashes, theirs: HeadHashes) -> tuple[int, int]:
+    """(heads holding the same pairs on both sides, heads)."""
+    pairs = [(a, b) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
+    return sum(torch.equal(a, b) for a, b in pairs), len(pairs)

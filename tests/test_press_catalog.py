@@ -1,0 +1,148 @@
+"""Every kvpress press: listed once, its YAML as the catalog writes it, and each bridged press against kvpress
+itself item by item (the same pairs kept in every head, bit for bit, and the same greedy answer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kvpress
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvresearch.bench.press_check import (
+    dense_answer,
+    kvpress_kept,
+    ours_kept,
+    placeholder_files,
+    reference,
+    same_heads,
+)
+from kvresearch.device_steps import random_surrogates
+from kvresearch.errors import KVResearchError
+from kvresearch.methods.baselines import KVPress, kvzap_press
+from kvresearch.methods.press_catalog import CATALOG, NOT_BRIDGED, by_class, yaml_text
+from kvresearch.models import ModelAdapter, Session
+from kvresearch.prompts import build_prompt
+from kvresearch.runs import CONF_DIR, build
+from kvresearch.speed import KVpressPipeline
+
+NEW_TOKENS = 12
+
+
+def test_every_kvpress_press_is_listed_once() -> None:
+    exported = {n for n in kvpress.__all__ if n.endswith("Press")}
+    assert len(exported) == 46
+    assert set(by_class()) | set(NOT_BRIDGED) == exported
+    assert not set(by_class()) & set(NOT_BRIDGED)
+    assert len({e.cls for e in CATALOG}) == len(CATALOG)
+
+
+@pytest.mark.parametrize("entry", CATALOG, ids=lambda e: e.cls)
+def test_yaml_is_the_catalog_entry(entry) -> None:
+    path = Path(CONF_DIR) / "method" / f"{entry.config}.yaml"
+    assert path.exists(), "run python -m kvresearch.methods.press_catalog --write"
+    if not entry.written:
+        assert path.read_text() == yaml_text(entry)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", [f"method={entry.config}"])
+    target = str(cfg.method.press._target_)
+    if entry.config != "kvpress_kvzap":  # that one builds DMSPress(KVzapPress) from a surrogate run
+        built = getattr(__import__(target.rsplit(".", 1)[0], fromlist=["x"]), target.rsplit(".", 1)[1])
+        assert issubclass(built, getattr(kvpress, entry.cls))
+
+
+@pytest.fixture(scope="module")
+def bench(smol, tmp_path_factory):
+    session = Session(ModelAdapter(smol.model), smol.tokenizer)
+    text = " ".join(f"Record {i}: the key of room {i * 37 % 101} is {i * 53 % 97}." for i in range(16))
+    prompt = build_prompt(smol.tokenizer, text, "What is the key of room 74?")
+    files = placeholder_files(smol.model, tmp_path_factory.mktemp("press-files"))
+    return session, prompt, files, KVpressPipeline(session)
+
+
+def method_of(entry, session, files) -> KVPress:
+    """The entry's method as its YAML builds it (placeholder files; a seeded surrogate for kvpress_kvzap)."""
+    if entry.config == "kvpress_kvzap":
+        return KVPress(name=entry.config, press=kvzap_press(random_surrogates(session)["mlp"], -3.0, window=16))
+    overrides = [f"method.press.{entry.needs}={files[entry.needs]}"] if entry.needs else []
+    overrides += {
+        "DuoAttentionPress": ["method.press.samples=1", "method.press.chars=2000"],
+        "ExpectedAttentionStatsPress": ["method.press.num_samples=1"],
+        "DecodingPress": ["method.press.compression_interval=4", "method.press.target_size=40"],
+        "PrefillDecodingPress": ["method.press.decoding_press.compression_interval=4"],
+        "CompressionRatioDecodingPress": ["method.press.compression_interval=4"],
+    }.get(entry.cls, [])
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", [f"method={entry.config}", *overrides])
+    return build(cfg.method)
+
+
+@pytest.mark.parametrize("entry", CATALOG, ids=lambda e: e.cls)
+def test_press_evicts_and_answers_as_kvpress(bench, entry) -> None:
+    session, prompt, files, pipeline = bench
+    ours = method_of(entry, session, files)
+    torch.manual_seed(0)  # the leverage-score presses sketch at random: the same draws on both sides
+    cache = ours.compress(session, prompt)
+    press, ids = reference(method_of(entry, session, files).press, prompt.context_ids, session.model.config.vocab_size)
+    prefill = press.prefilling_press if isinstance(press, kvpress.PrefillDecodingPress) else press
+    if isinstance(press, kvpress.DecodingPress):
+        prefill = kvpress.StreamingLLMPress(compression_ratio=0.0)  # kvpress's pipeline: no press at the prefill
+    torch.manual_seed(0)
+    kept, _, dense = kvpress_kept(session, ids, prefill, ours.attn_implementation)
+    same, heads = same_heads(ours_kept(cache), kept)
+    assert same == heads, f"{heads - same} of {heads} heads keep other pairs than kvpress's"
+    out = session.generate(cache, prompt.question_ids, NEW_TOKENS, decode_context=lambda c: ours.decode_context(
+        session, c))  # fmt: skip
+    answer = session.tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
+    if not entry.pipeline:
+        assert answer == dense_answer(session, dense, prompt.context_ids.shape[1], prompt.question_ids, NEW_TOKENS)
+        return
+    press, ids = reference(method_of(entry, session, files).press, prompt.context_ids, session.model.config.vocab_size)
+    previous = session.model.config._attn_implementation
+    if ours.attn_implementation:
+        session.model.set_attn_implementation(ours.attn_implementation)
+    try:
+        torch.manual_seed(0)
+        assert answer == pipeline.answer(ids, prompt.question_ids, press, NEW_TOKENS)["prediction"]
+    finally:
+        session.model.set_attn_implementation(previous)
+
+
+def test_masking_press_frees_what_kvpress_holds(bench) -> None:
+    session, prompt, files, _ = bench
+    method = method_of(by_class()["AdaKVPress"], session, files)
+    cache = method.compress(session, prompt)
+    press = method_of(by_class()["AdaKVPress"], session, files).press
+    _, held, _ = kvpress_kept(session, prompt.context_ids, press, None)
+    n = prompt.context_ids.shape[1]
+    assert cache.stats()["prune_ratio"] == pytest.approx(1 - 0.33, abs=2 / n)
+    assert cache.kv_bytes()["allocated"] < 0.5 * held["kept_bytes"]  # kvpress keeps every masked pair
+    assert method.report()["peak_kv_bytes"] < held["peak_bytes"]  # one dense layer at a time, not all
+
+
+def test_rerotated_keys_continue_at_the_kept_length(bench) -> None:
+    session, prompt, files, _ = bench
+    cache = method_of(by_class()["KeyRerotationPress"], session, files).compress(session, prompt)
+    kept = [int(layer.kept_per_head()[0]) for layer in cache.ragged]
+    assert cache.get_seq_length() == kept[0] < prompt.context_ids.shape[1] == cache.stands_for
+    assert all(
+        torch.equal(layer.pos[layer.head_rows(0)], torch.arange(k)) for layer, k in zip(cache.ragged, kept, strict=True)
+    )
+
+
+def test_a_press_that_needs_a_file_says_which(bench) -> None:
+    session, prompt, _, _ = bench
+    for cls in ("QFilterPress", "FastKVzipPress", "LUKVPress"):
+        entry = by_class()[cls]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            method = build(compose("evaluate", [f"method={entry.config}"]).method)
+        with pytest.raises(KVResearchError, match=entry.needs):
+            method.compress(session, prompt)
+
+
+def test_a_press_that_keeps_its_extra_passes_is_refused(bench) -> None:
+    session, prompt, _, _ = bench
+    press = kvpress.KVComposePress(compression_ratio=0.5, structured=False)
+    with pytest.raises(KVResearchError, match="structured=true"):
+        KVPress(name="kvcompose", press=press, attn_implementation="eager").compress(session, prompt)
