@@ -15,8 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvresearch.methods.press_catalog import CATALOG
 from kvresearch.models import ModelAdapter, Session
+from kvresearch.models.press_catalog import CATALOG
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import CONF_DIR, build
 from tests.helpers import budgets_run, compose_stage, method_config, surrogate_run, synthetic_extract

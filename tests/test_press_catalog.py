@@ -21,8 +21,8 @@ from kvresearch.bench.press_check import (
 from kvresearch.device_steps import random_surrogates
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.baselines import KVPress, kvzap_press
-from kvresearch.methods.press_catalog import CATALOG, NOT_BRIDGED, by_class, yaml_text
 from kvresearch.models import ModelAdapter, Session
+from kvresearch.models.press_catalog import CATALOG, NOT_BRIDGED, by_class, yaml_text
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import CONF_DIR, build
 from kvresearch.speed import KVpressPipeline
@@ -41,7 +41,7 @@ def test_every_kvpress_press_is_listed_once() -> None:
 @pytest.mark.parametrize("entry", CATALOG, ids=lambda e: e.cls)
 def test_yaml_is_the_catalog_entry(entry) -> None:
     path = Path(CONF_DIR) / "method" / f"{entry.config}.yaml"
-    assert path.exists(), "run python -m kvresearch.methods.press_catalog --write"
+    assert path.exists(), "run python -m kvresearch.models.press_catalog --write"
     if not entry.written:
         assert path.read_text() == yaml_text(entry)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -146,3 +146,28 @@ def test_a_press_that_keeps_its_extra_passes_is_refused(bench) -> None:
     press = kvpress.KVComposePress(compression_ratio=0.5, structured=False)
     with pytest.raises(KVResearchError, match="structured=true"):
         KVPress(name="kvcompose", press=press, attn_implementation="eager").compress(session, prompt)
+
+
+@pytest.mark.parametrize("wrapper", [None, "AdaKVPress"])
+def test_sinks_keep_the_first_positions_and_the_scorers_best_others(bench, wrapper) -> None:
+    session, prompt, _, _ = bench
+    scorer, recorded = kvpress.KnormPress(), []
+    score = scorer.score
+    scorer.score = lambda *a: recorded.append(score(*a).clone()) or recorded[-1].clone()  # the scorer's own scores
+    press = scorer if wrapper is None else getattr(kvpress, wrapper)(press=scorer)
+    cache = KVPress(name="knorm", press=press, keep_ratio=0.25, sinks=4).compress(session, prompt)
+    n = prompt.context_ids.shape[1]
+    for layer, scores in zip(cache.ragged, recorded, strict=True):
+        scores = scores[0].double()  # (Hkv, T)
+        scores[:, :4] = float("inf")
+        kept = [set(layer.pos[layer.head_rows(h)].tolist()) for h in range(len(layer.caps))]
+        assert all({0, 1, 2, 3} <= k for k in kept)
+        if wrapper is None:  # per head: the sinks and the scorer's best of the rest, n_kept in all
+            assert kept == [set(row.topk(int(n * 0.25)).indices.tolist()) for row in scores]
+        else:  # AdaKV spreads the layer's budget over its heads
+            assert sum(len(k) for k in kept) == len(kept) * int(n * 0.25)
+
+
+def test_sinks_need_a_scorer() -> None:
+    with pytest.raises(KVResearchError, match="sinks=0"):
+        KVPress(name="think", press=kvpress.ThinKPress(key_channel_compression_ratio=0.5), sinks=4)

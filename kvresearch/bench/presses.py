@@ -1,6 +1,6 @@
 """Benchmark: every kvpress press with real eviction against kvpress itself, item by item, with its memory.
 
-For each press of the catalog (``methods/press_catalog.py``; ``--presses`` to pick some by config name), on
+For each press of the catalog (``models/press_catalog.py``; ``--presses`` to pick some by config name), on
 ``--samples`` RULER ``niah_single_2`` contexts of ``--length`` tokens and the embedded model (``--threads``
 threads), both sides run the same press (``bench/press_check.py``):
 
@@ -41,8 +41,8 @@ from kvresearch.bench.press_check import (
 )
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.methods.baselines import KVPress, kvzap_press
-from kvresearch.methods.press_catalog import CATALOG, NOT_BRIDGED, Entry
 from kvresearch.models import ModelAdapter, Session, load_model
+from kvresearch.models.press_catalog import CATALOG, NOT_BRIDGED, Entry
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, read_json, write_json
 from kvresearch.speed import KVpressPipeline
@@ -122,6 +122,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resumed(out: Path, head: dict[str, Any]) -> list[dict]:
+    """The press rows of a partial report at ``out`` made with the same settings (none if there is none)."""
+    if not out.exists():
+        return []
+    found = read_json(out, "Delete it or run without --resume.")
+    same = all(found.get(k) == v for k, v in head.items() if k != "not_bridged")
+    return list(found["presses"]) if same else []
+
+
 @torch.no_grad()
 def main() -> None:
     """The command line (see the module docstring)."""
@@ -132,6 +141,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="default: <outputs>/bench/presses.json")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the presses of a partial report with these settings"
+    )
     parser.add_argument("--summarize", type=Path, default=None, help="print the Markdown table of a report and stop")
     args = parser.parse_args()
     if args.summarize:
@@ -147,21 +159,24 @@ def main() -> None:
     prompts = [prompts_of(loaded.tokenizer, s, settings)[0] for s in samples]
     new = settings.new_tokens(samples[0].questions[0].max_new_tokens)
     pipeline, (scorer, source) = KVpressPipeline(session), surrogate(cfg, session)
-    rows = []
+    out = args.out or outputs_root() / "bench" / "presses.json"
+    head = {"model": str(cfg.model.name), "threads": args.threads, "length": args.length, "samples": args.samples,
+            "new_tokens": new, "kvzap_surrogate": source, "not_bridged": NOT_BRIDGED}  # fmt: skip
+    rows = resumed(out, head) if args.resume else []
+    done = {row["press"] for row in rows}
     with tempfile.TemporaryDirectory() as folder:
         files = placeholder_files(loaded.model, Path(folder))
         bar = Progress(len(entries), "presses", unit="press")
         for entry in entries:
-            make = lambda e=entry: method_of(e, files, scorer)
-            runs = [one(session, pipeline, make, entry, p, new) for p in prompts]
-            rows.append({"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs})
-            print(entry.cls, [(r["heads_same"], r["heads"], r["same_answer"]) for r in runs], flush=True)
+            if entry.cls not in done:
+                make = lambda e=entry: method_of(e, files, scorer)
+                runs = [one(session, pipeline, make, entry, p, new) for p in prompts]
+                rows.append({"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs})
+                print(entry.cls, [(r["heads_same"], r["heads"], r["same_answer"]) for r in runs], flush=True)
+                write_json(out, {**head, "presses": rows, "complete": False})  # a resumable partial report
             bar.update(press=entry.cls)
         bar.close()
-    out = args.out or outputs_root() / "bench" / "presses.json"
-    write_json(out, {"model": str(cfg.model.name), "threads": args.threads, "length": args.length,
-                     "new_tokens": new, "kvzap_surrogate": source, "presses": rows,
-                     "not_bridged": NOT_BRIDGED})  # fmt: skip
+    write_json(out, {**head, "presses": rows, "complete": True})
     print(markdown(read_json(out, "")))
     print(f"wrote {out}")
 

@@ -113,7 +113,13 @@ class FileDuoAttentionPress(DuoAttentionPress):
             with packaged_texts(duo, model, "chapter", self.samples, self.chars):
                 pattern = (128, 256, scores(model, num_samples=self.samples))
         else:
-            found = np.load(_file(self.patterns, "DuoAttention", "run `make duo-patterns` or set patterns=null"))
+            found = np.load(
+                _file(
+                    self.patterns,
+                    "DuoAttention",
+                    "give a .npz written by save_duo_patterns, or set patterns=null to compute them on the model",
+                )
+            )
             pattern = (int(found["sink_size"]), int(found["recent_size"]), np.clip(found["head_scores"], 0, 1))
         with mock.patch.object(duo.DuoAttentionPress, "load_attention_pattern", staticmethod(lambda _model: pattern)):
             on_the_fly, self.on_the_fly_scoring = self.on_the_fly_scoring, False  # type: ignore[has-type]

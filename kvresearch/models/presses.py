@@ -1,7 +1,7 @@
 """kvpress presses with real eviction (model glue: kvpress's cache and module conventions live here).
 
 A press runs during a dense prefill exactly as in kvpress. Its result then moves into the ragged
-cache, whatever the press (``methods/press_catalog.py`` lists them all):
+cache, whatever the press (``models/press_catalog.py`` lists them all):
 
 * presses that drop pairs (the ScorerPress family and its wrappers) leave fewer keys per head, whose
   positions we recover by matching them to the keys captured before the press ran, or, where the press

@@ -1,7 +1,7 @@
 """Every press kvpress 0.5.5 exports, how it runs here with real eviction, or why it does not.
 
 One list drives three things: the ``conf/method/`` YAML of each press (``python -m
-kvresearch.methods.press_catalog --write`` writes those not written by hand), the item-by-item check
+kvresearch.models.press_catalog --write`` writes those not written by hand), the item-by-item check
 against kvpress (``make bench-presses``, ``tests/test_press_catalog.py``) and the table in docs/presses.md.
 
 An entry's ``press`` is the press's Hydra config (``_target_`` and arguments; wrappers hold a scorer,
@@ -246,12 +246,13 @@ def by_class() -> dict[str, Entry]:
 def yaml_text(entry: Entry) -> str:
     """The ``conf/method/`` YAML of a generated entry."""
     head = f"# kvpress {entry.cls} with real eviction: {entry.how}.\n"
-    head += "# Generated from kvresearch/methods/press_catalog.py: edit the list there, then run\n"
-    head += "#   python -m kvresearch.methods.press_catalog --write\n"
+    head += "# Generated from kvresearch/models/press_catalog.py: edit the list there, then run\n"
+    head += "#   python -m kvresearch.models.press_catalog --write\n"
     if entry.needs:
         head += f"# Needs method.press.{entry.needs}=<file> (see kvresearch/models/press_files.py).\n"
     body: dict[str, Any] = {"_target_": "kvresearch.methods.baselines.KVPress", "name": entry.config}
     body["keep_ratio"] = entry.keep_ratio
+    body["sinks"] = 0  # first positions kept in every head whatever the scores (scorer presses and their wrappers)
     if entry.attn_implementation:
         body["attn_implementation"] = entry.attn_implementation
     body["press"] = entry.press
@@ -270,14 +271,27 @@ def write(folder: Path) -> list[Path]:
     return paths
 
 
+def markdown() -> str:
+    """The catalog as the table of docs/presses.md (one row per kvpress press, then those not bridged)."""
+    lines = ["| kvpress press | `method=` | phase | what reaches the ragged cache |", "|---|---|---|---|"]
+    for entry in sorted(CATALOG, key=lambda e: e.cls):
+        how = entry.how + (f" (needs `method.press.{entry.needs}`)" if entry.needs else "")
+        lines.append(f"| {entry.cls} | `{entry.config}` | {entry.phase} | {how} |")
+    lines += [f"| {cls} | - | - | not bridged: {why} |" for cls, why in sorted(NOT_BRIDGED.items())]
+    return "\n".join(lines)
+
+
 def main() -> None:
-    """``--write``: (re)write the generated YAMLs under conf/method/."""
+    """``--write``: (re)write the generated YAMLs under conf/method/; ``--markdown``: the docs table."""
     from kvresearch.runs import CONF_DIR
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help="write conf/method/<config>.yaml for each entry")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/presses.md")
     args = parser.parse_args()
-    if args.write:
+    if args.markdown:
+        print(markdown())
+    elif args.write:
         for path in write(Path(CONF_DIR) / "method"):
             print(path.name)
     else:
