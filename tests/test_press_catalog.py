@@ -168,6 +168,21 @@ def test_sinks_keep_the_first_positions_and_the_scorers_best_others(bench, wrapp
             assert sum(len(k) for k in kept) == len(kept) * int(n * 0.25)
 
 
-def test_sinks_need_a_scorer() -> None:
+def test_token_layer_evicts_a_position_from_every_head_of_a_layer(bench) -> None:
+    session, prompt, _, _ = bench
+    scorer, recorded = kvpress.KnormPress(), []
+    score = scorer.score
+    scorer.score = lambda *a: recorded.append(score(*a).clone()) or recorded[-1].clone()
+    cache = KVPress(name="knorm", press=scorer, keep_ratio=0.25, scope="token_layer").compress(session, prompt)
+    n = prompt.context_ids.shape[1]
+    for layer, scores in zip(cache.ragged, recorded, strict=True):
+        best = scores[0].double().amax(dim=0)  # (T,) a position's best score over the layer's heads
+        expected = set(best.topk(int(n * 0.25)).indices.tolist())
+        assert all(set(layer.pos[layer.head_rows(h)].tolist()) == expected for h in range(len(layer.caps)))
+
+
+def test_sinks_and_scopes_need_a_scorer() -> None:
     with pytest.raises(KVResearchError, match="sinks=0"):
         KVPress(name="think", press=kvpress.ThinKPress(key_channel_compression_ratio=0.5), sinks=4)
+    with pytest.raises(KVResearchError, match="every layer"):
+        KVPress(name="knorm", press=kvpress.KnormPress(), keep_ratio=0.5, scope="token_model")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, is_dataclass
-from functools import cache
 from typing import Any
 
 from kvresearch.errors import KVResearchError
@@ -20,61 +19,20 @@ from kvresearch.prompts import Prompt
 from kvresearch.surrogate.modules import Surrogate
 
 
-def with_sinks(press: Any, sinks: int) -> Any:
-    """``press`` with its first ``sinks`` positions scored above every other pair (kvpress's KVzip rule).
-
-    A scorer press is wrapped in :class:`kvpress_sinks`; a wrapper around one (AdaKV, Chunk, DMS, ...) gets its
-    scorer wrapped. Raises a clear error for a press without a scorer to wrap.
-    """
-    from kvpress import ScorerPress
-
-    if sinks == 0:
-        return press
-    if isinstance(press, ScorerPress):
-        return kvpress_sinks()(compression_ratio=press.compression_ratio, press=press, sinks=sinks)
-    for field in ("press", "base_press"):
-        if isinstance(getattr(press, field, None), ScorerPress):
-            setattr(press, field, with_sinks(getattr(press, field), sinks))
-            return press
-    raise KVResearchError(
-        f"sinks: {type(press).__name__} has no scorer press to keep sinks in (it prunes by its own rule); set "
-        "method.sinks=0."
-    )
-
-
-@cache
-def kvpress_sinks() -> type:
-    """The scorer press keeping the first ``sinks`` positions: the inner scorer's scores, the sinks above the max."""
-    from kvpress import ScorerPress
-
-    @dataclass
-    class SinkScorerPress(ScorerPress):
-        press: Any = None
-        sinks: int = 4
-
-        def post_init_from_model(self, model: Any) -> None:
-            self.press.post_init_from_model(model)
-
-        def score(self, module: Any, hidden: Any, keys: Any, values: Any, attentions: Any, kwargs: dict) -> Any:
-            scores = self.press.score(module, hidden, keys, values, attentions, kwargs)  # (b, Hkv, T)
-            scores[..., : self.sinks] = scores.amax() + 1.0
-            return scores
-
-    return SinkScorerPress
-
-
 @dataclass(kw_only=True)
 class KVPress(Method):
     """Any kvpress press (built by Hydra from its config) as a method.
 
-    ``sinks``: keep the first ``sinks`` positions of the context in every head, whatever the press's scores
-    (:func:`with_sinks`); 0 leaves the press as kvpress wrote it.
+    ``sinks``: keep the first ``sinks`` positions of the context in every head, whatever the press's scores;
+    ``scope=token_layer``: evict a position from every head of a layer or from none (``models/press_scoring.py``).
+    ``sinks=0`` and ``scope=head`` leave the press as kvpress wrote it.
     """
 
     name: str = "kvpress"
     press: Any
     attn_implementation: str | None = None  # e.g. "eager" for presses that read attention weights
     sinks: int = 0
+    scope: str = "head"
     decoding_fields = ("interval", "target_size")  # kvpress's DecodingPress around the press while generating
 
     def __post_init__(self) -> None:
@@ -82,7 +40,9 @@ class KVPress(Method):
         super().__post_init__()
         if self.sinks < 0:
             raise KVResearchError(f"method {self.name}: sinks must be 0 or more, got {self.sinks}.")
-        self.press = with_sinks(self.press, self.sinks)
+        from kvresearch.models.press_scoring import rescored
+
+        self.press = rescored(self.press, self.sinks, self.scope)
         if self.decoding is not None:
             self._decoding_press()  # refused now, not after the prefill, if the press cannot decode
         if self.keep_ratio is None:

@@ -253,6 +253,7 @@ def yaml_text(entry: Entry) -> str:
     body: dict[str, Any] = {"_target_": "kvresearch.methods.baselines.KVPress", "name": entry.config}
     body["keep_ratio"] = entry.keep_ratio
     body["sinks"] = 0  # first positions kept in every head whatever the scores (scorer presses and their wrappers)
+    body["scope"] = "head"
     if entry.attn_implementation:
         body["attn_implementation"] = entry.attn_implementation
     body["press"] = entry.press
