@@ -35,7 +35,7 @@ def test_every_kvpress_press_is_listed_once() -> None:
     assert len(exported) == 46
     assert set(by_class()) | set(NOT_BRIDGED) == exported
     assert not set(by_class()) & set(NOT_BRIDGED)
-    assert len({e.cls for e in CATALOG}) == len(CATALOG)
+    assert len({e.cls for e in CATALOG}) == len(CATALOG) == 43
 
 
 @pytest.mark.parametrize("entry", CATALOG, ids=lambda e: e.cls)
@@ -133,7 +133,7 @@ def test_rerotated_keys_continue_at_the_kept_length(bench) -> None:
 
 def test_a_press_that_needs_a_file_says_which(bench) -> None:
     session, prompt, _, _ = bench
-    for cls in ("QFilterPress", "FastKVzipPress", "LUKVPress"):
+    for cls in ("QFilterPress", "FastKVzipPress", "LUKVPress", "RestoreKVPress"):
         entry = by_class()[cls]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             method = build(compose("evaluate", [f"method={entry.config}"]).method)
@@ -186,3 +186,9 @@ def test_sinks_and_scopes_need_a_scorer() -> None:
         KVPress(name="think", press=kvpress.ThinKPress(key_channel_compression_ratio=0.5), sinks=4)
     with pytest.raises(KVResearchError, match="every layer"):
         KVPress(name="knorm", press=kvpress.KnormPress(), keep_ratio=0.5, scope="token_model")
+
+
+def test_the_docs_table_is_the_catalog() -> None:
+    from kvresearch.models.press_catalog import markdown
+
+    assert markdown() in (Path(CONF_DIR).parent / "docs" / "presses.md").read_text()

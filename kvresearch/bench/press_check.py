@@ -40,11 +40,27 @@ def placeholder_files(model: Any, folder: Path) -> dict[str, str]:
     torch.save({"module": gates}, folder / f"q{group}_dim16_sink16.pt")
     curves = np.tile(np.linspace(0.01, 0.99, 99)[:, None, None], (1, layers, heads))  # uniform over layers/heads
     np.save(folder / "lukv_curves.npy", curves)
+    restore_adapter(model, folder / "restorekv")
     return {
+        "adapter": str(folder / "restorekv"),
         "filters": str(folder / "qfilters"),
         "gates_file": str(folder / f"q{group}_dim16_sink16.pt"),
         "curves": str(folder / "lukv_curves.npy"),
     }
+
+
+def restore_adapter(model: Any, folder: Path, tokens: int = 8) -> None:
+    """A seeded RestoreKV adapter for ``model`` in ``folder``: a LoRA adapter (q, v; nonzero) and restore embeddings."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(model), lora).save_pretrained(str(folder))
+    embeddings = 0.02 * torch.randn(tokens, model.config.hidden_size, dtype=model.dtype)
+    save_file({"restore_embeddings": embeddings}, str(folder / "restore_embeddings.safetensors"))
 
 
 def reference(press: Any, ids: torch.Tensor, vocab: int) -> tuple[Any, torch.Tensor]:

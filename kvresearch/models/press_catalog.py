@@ -216,6 +216,14 @@ CATALOG: tuple[Entry, ...] = (
         "lazy layers keep their first and last pairs (fewer per head): positions found by their bytes",
         keep_ratio=None,
     ),
+    Entry(
+        "RestoreKVPress",
+        "kvpress_restorekv",
+        {"_target_": f"{FILES}.FileRestoreKVPress", "adapter": None},
+        MASK + "; its restore tokens' pairs appended after the context (the question continues after them); "
+        "adapter and restore embeddings from a folder (none is published for the embedded model)",
+        needs="adapter",
+    ),
     Entry("SnapKVPress", "snapkv", {}, GATHER, written=True),
     Entry("StreamingLLMPress", "streaming_llm", {}, GATHER, written=True),
     Entry(
@@ -233,8 +241,6 @@ NOT_BRIDGED: dict[str, str] = {
     "ScorerPress": "the abstract base of the scorers: it has no score",
     "CAMPress": "merges values while decoding with attention weights it sums in its own hook over kvpress's dense "
     "cache at every step; the ragged attention returns no weights",
-    "RestoreKVPress": "needs a LoRA adapter trained for the model and the peft package (neither installable offline); "
-    "it also appends restore tokens to the cache, which its pipeline special-cases",
 }
 
 

@@ -15,6 +15,7 @@ File formats (each a kvpress format, so files made for kvpress work here):
   (``q{group}_dim16_sink16.pt``: the sink count is read from the name).
 * LU-KV budget curves: ``.npy`` of shape (99, layers, KV heads).
 * Expected Attention statistics: a folder written by ``ExpectedAttentionStats.save_pretrained``.
+* RestoreKV: a folder as published on the hub (a PEFT LoRA adapter and ``restore_embeddings.safetensors``).
 
 FinchPress finds its observation window after a delimiter token that kvpress adds to the tokenizer and the
 model's embeddings (``update_model_and_tokenizer``); :class:`WindowFinchPress` takes the window's size instead,
@@ -40,6 +41,7 @@ from kvpress import (
     FinchPress,
     LUKVPress,
     QFilterPress,
+    RestoreKVPress,
 )
 
 from kvresearch.errors import KVResearchError
@@ -220,3 +222,46 @@ class WindowFinchPress(FinchPress):
         if input[0].shape[1] > 1:
             self.window_size = min(self.window, input[0].shape[1] - 1)
         return output
+
+
+@dataclass
+class FileRestoreKVPress(RestoreKVPress):
+    """RestoreKV with its adapter and restore embeddings from ``adapter`` (a folder; kvpress fetches higokri/*).
+
+    The LoRA adapter is loaded into the model for the press's one restore pass and deleted when the press exits,
+    so the model is its own again for whatever runs next.
+    """
+
+    adapter: str | None = None
+
+    def post_init_from_model(self, model: Any) -> None:
+        """Load the restore embeddings and the adapter (disabled until the restore pass)."""
+        from safetensors.torch import load_file
+
+        folder = _file(self.adapter, "RestoreKVPress", "give method.press.adapter=<folder of the adapter>")
+        embeddings = load_file(str(folder / "restore_embeddings.safetensors"))["restore_embeddings"]
+        self.restore_embeddings = embeddings.to(model.device, dtype=model.dtype)
+        if self.adapter_name not in (getattr(model, "peft_config", None) or {}):
+            model.load_adapter(str(folder), adapter_name=self.adapter_name)
+        model.disable_adapters()
+        self.restore_model_name = str(folder)
+
+    @contextmanager
+    def __call__(self, model: Any) -> Iterator[None]:
+        """Kvpress's RestoreKV, then the adapter deleted from the model."""
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            if self.adapter_name in (getattr(model, "peft_config", None) or {}):
+                model.delete_adapter(self.adapter_name)
+            _unwrap_lora(model)
+            self.restore_model_name = None  # type: ignore[assignment]
+
+
+def _unwrap_lora(model: Any) -> None:
+    """Put back the layers peft wrapped (a wrapper without adapters computes its base layer, more slowly)."""
+    for name, module in list(model.named_modules()):
+        if type(module).__module__.startswith("peft") and hasattr(module, "base_layer"):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.base_layer)

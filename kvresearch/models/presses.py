@@ -198,13 +198,15 @@ def _move(
     assert entry.keys is not None and entry.values is not None
     keys, values = entry.keys[0], entry.values[0]  # (Hkv, n or n_kept, d)
     before = originals.pop(index)
-    if keys.shape[1] > n:
+    if keys.shape[1] > n and not appends(press):
         raise KVResearchError(
             f"{type(press).__name__} left {keys.shape[1]} pairs in layer {index} for a context of {n} tokens (pairs "
             "of its own extra passes that kvpress keeps too); it cannot be bridged. For KVComposePress, set "
             "structured=true."
         )
-    if keys.shape[1] == n:  # pairs masked (or none touched): keep the unmasked ones
+    if keys.shape[1] >= n:  # pairs masked (or none touched): keep the unmasked ones
+        if keys.shape[1] > n:  # the press appended pairs of its own (RestoreKV's restore tokens) after the context
+            out.stands_for, n = n, keys.shape[1]
         mask = torch.ones(keys.shape[0], n, dtype=torch.bool)
         masked = getattr(spec.attn, "masked_key_indices", None)
         if masked is not None:
@@ -225,6 +227,13 @@ def _move(
             layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
             layer.seen = n  # the context's length, whether or not its last pair was kept
     entry.keys, entry.values = keys[None, :, :0], values[None, :, :0]  # freed (kvpress's later passes see none)
+
+
+def appends(press: Any) -> bool:
+    """Whether ``press`` appends pairs after the context (RestoreKV's restore tokens; its pipeline continues after)."""
+    from kvpress import RestoreKVPress
+
+    return isinstance(press, RestoreKVPress)
 
 
 def rerotates(press: Any) -> bool:
