@@ -10,14 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kvresearch.bench.press_check import (
-    dense_answer,
-    kvpress_kept,
-    ours_kept,
-    placeholder_files,
-    reference,
-    same_heads,
-)
+from kvresearch.bench.press_check import compare, kvpress_kept, placeholder_files
 from kvresearch.device_steps import random_surrogates
 from kvresearch.errors import KVResearchError
 from kvresearch.methods.baselines import KVPress, kvzap_press
@@ -81,32 +74,11 @@ def method_of(entry, session, files) -> KVPress:
 @pytest.mark.parametrize("entry", CATALOG, ids=lambda e: e.cls)
 def test_press_evicts_and_answers_as_kvpress(bench, entry) -> None:
     session, prompt, files, pipeline = bench
-    ours = method_of(entry, session, files)
-    torch.manual_seed(0)  # the leverage-score presses sketch at random: the same draws on both sides
-    cache = ours.compress(session, prompt)
-    press, ids = reference(method_of(entry, session, files).press, prompt.context_ids, session.model.config.vocab_size)
-    prefill = press.prefilling_press if isinstance(press, kvpress.PrefillDecodingPress) else press
-    if isinstance(press, kvpress.DecodingPress):
-        prefill = kvpress.StreamingLLMPress(compression_ratio=0.0)  # kvpress's pipeline: no press at the prefill
-    torch.manual_seed(0)
-    kept, _, dense = kvpress_kept(session, ids, prefill, ours.attn_implementation)
-    same, heads = same_heads(ours_kept(cache), kept)
-    assert same == heads, f"{heads - same} of {heads} heads keep other pairs than kvpress's"
-    out = session.generate(cache, prompt.question_ids, NEW_TOKENS, decode_context=lambda c: ours.decode_context(
-        session, c))  # fmt: skip
-    answer = session.tokenizer.decode(out.tokens, skip_special_tokens=True).strip()
-    if not entry.pipeline:
-        assert answer == dense_answer(session, dense, prompt.context_ids.shape[1], prompt.question_ids, NEW_TOKENS)
-        return
-    press, ids = reference(method_of(entry, session, files).press, prompt.context_ids, session.model.config.vocab_size)
-    previous = session.model.config._attn_implementation
-    if ours.attn_implementation:
-        session.model.set_attn_implementation(ours.attn_implementation)
-    try:
-        torch.manual_seed(0)
-        assert answer == pipeline.answer(ids, prompt.question_ids, press, NEW_TOKENS)["prediction"]
-    finally:
-        session.model.set_attn_implementation(previous)
+    make = lambda: method_of(entry, session, files)
+    found = compare(session, pipeline, make, entry.pipeline, prompt, NEW_TOKENS)
+    assert found["heads_same"] == found["heads"], f"{found['heads'] - found['heads_same']} heads keep other pairs"
+    assert found["answer"] == found["kvpress_answer"]
+    assert found["ours_kept_bytes"] < 1.03 * found["kvpress_kept_bytes"]  # + 12 bytes per pair: position and bias
 
 
 def test_masking_press_frees_what_kvpress_holds(bench) -> None:

@@ -12,6 +12,7 @@ not the press (no Q-Filters, Fast KVzip gates or LU-KV curves exist for the mode
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,54 @@ def same_heads(ours: HeadHashes, theirs: HeadHashes) -> tuple[int, int]:
     """(heads holding the same pairs on both sides, heads)."""
     pairs = [(a, b) for la, lb in zip(ours, theirs, strict=True) for a, b in zip(la, lb, strict=True)]
     return sum(torch.equal(a, b) for a, b in pairs), len(pairs)
+
+
+def compare(session: Session, pipeline: Any, make: Any, by_pipeline: bool, prompt: Any, new: int) -> dict[str, Any]:
+    """Both sides of one press on one prompt: heads with the same pairs, the answers, bytes, seconds.
+
+    Args:
+        session: the model.
+        pipeline: kvpress's pipeline (``speed.KVpressPipeline``).
+        make: builds a fresh method of the press (presses keep state).
+        by_pipeline: kvpress's pipeline answers (False: its cache fed one token at a time, :func:`dense_answer`).
+        prompt: the context and question.
+        new: new tokens at most.
+    """
+    import kvpress
+
+    ours = make()
+    torch.manual_seed(0)  # the sketching presses draw at random: the same draws on both sides
+    start = time.perf_counter()
+    cache = ours.compress(session, prompt)
+    ours_s = time.perf_counter() - start
+    decode = lambda c: ours.decode_context(session, c)
+    tokens = session.generate(cache, prompt.question_ids, new, decode_context=decode).tokens
+    answer = str(session.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
+
+    press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
+    prefill = press.prefilling_press if isinstance(press, kvpress.PrefillDecodingPress) else press
+    if isinstance(press, kvpress.DecodingPress):
+        prefill = kvpress.StreamingLLMPress(compression_ratio=0.0)  # kvpress's pipeline: no press at the prefill
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    kept, held, dense = kvpress_kept(session, ids, prefill, ours.attn_implementation)
+    kvpress_s = time.perf_counter() - start
+    if by_pipeline:
+        press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
+        previous = session.model.config._attn_implementation
+        if ours.attn_implementation:
+            session.model.set_attn_implementation(ours.attn_implementation)
+        try:
+            torch.manual_seed(0)
+            theirs = pipeline.answer(ids, prompt.question_ids, press, new)["prediction"]
+        finally:
+            session.model.set_attn_implementation(previous)
+    else:
+        theirs = dense_answer(session, dense, prompt.context_ids.shape[1], prompt.question_ids, new)
+    same, heads = same_heads(ours_kept(cache), kept)
+    return {
+        "heads_same": same, "heads": heads, "same_answer": answer == theirs, "answer": answer, "kvpress_answer": theirs,
+        "prune_ratio": cache.stats()["prune_ratio"], "ours_kept_bytes": cache.kv_bytes()["kept"],
+        "ours_peak_bytes": ours.report().get("peak_kv_bytes"), "kvpress_kept_bytes": held["kept_bytes"],
+        "kvpress_peak_bytes": held["peak_bytes"], "ours_s": ours_s, "kvpress_s": kvpress_s,
+    }  # fmt: skip

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,7 @@ import torch
 
 from kvresearch.answering import Settings, prompts_of
 from kvresearch.bench.eval import config, surrogate
-from kvresearch.bench.press_check import (
-    dense_answer,
-    kvpress_kept,
-    ours_kept,
-    placeholder_files,
-    reference,
-    same_heads,
-)
+from kvresearch.bench.press_check import compare, placeholder_files
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.methods.baselines import KVPress, kvzap_press
 from kvresearch.models import ModelAdapter, Session, load_model
@@ -56,48 +48,6 @@ def method_of(entry: Entry, files: dict[str, str], scorer: Any) -> Any:
         return KVPress(name=entry.config, press=kvzap_press(scorer, -4.0))
     overrides = [f"method.press.{entry.needs}={files[entry.needs]}"] if entry.needs else []
     return build(config([*BASE, f"method={entry.config}", *overrides]).method)
-
-
-def one(session: Session, pipeline: KVpressPipeline, make: Any, entry: Entry, prompt: Any, new: int) -> dict:
-    """Both sides of one press on one prompt (``make()`` builds a fresh method: presses keep state)."""
-    import kvpress
-
-    ours = make()
-    torch.manual_seed(0)  # the sketching presses draw at random: the same draws on both sides
-    start = time.perf_counter()
-    cache = ours.compress(session, prompt)
-    ours_s = time.perf_counter() - start
-    decode = lambda c: ours.decode_context(session, c)
-    tokens = session.generate(cache, prompt.question_ids, new, decode_context=decode).tokens
-    answer = str(session.tokenizer.decode(tokens, skip_special_tokens=True)).strip()
-
-    press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
-    prefill = press.prefilling_press if isinstance(press, kvpress.PrefillDecodingPress) else press
-    if isinstance(press, kvpress.DecodingPress):
-        prefill = kvpress.StreamingLLMPress(compression_ratio=0.0)  # kvpress's pipeline: no press at the prefill
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    kept, held, dense = kvpress_kept(session, ids, prefill, ours.attn_implementation)
-    kvpress_s = time.perf_counter() - start
-    if entry.pipeline:
-        press, ids = reference(make().press, prompt.context_ids, session.model.config.vocab_size)
-        previous = session.model.config._attn_implementation
-        if ours.attn_implementation:
-            session.model.set_attn_implementation(ours.attn_implementation)
-        try:
-            torch.manual_seed(0)
-            theirs = pipeline.answer(ids, prompt.question_ids, press, new)["prediction"]
-        finally:
-            session.model.set_attn_implementation(previous)
-    else:
-        theirs = dense_answer(session, dense, prompt.context_ids.shape[1], prompt.question_ids, new)
-    same, heads = same_heads(ours_kept(cache), kept)
-    return {
-        "heads_same": same, "heads": heads, "same_answer": answer == theirs, "answer": answer, "kvpress_answer": theirs,
-        "prune_ratio": cache.stats()["prune_ratio"], "ours_kept_bytes": cache.kv_bytes()["kept"],
-        "ours_peak_bytes": ours.report().get("peak_kv_bytes"), "kvpress_kept_bytes": held["kept_bytes"],
-        "kvpress_peak_bytes": held["peak_bytes"], "ours_s": ours_s, "kvpress_s": kvpress_s,
-    }  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -170,7 +120,7 @@ def main() -> None:
         for entry in entries:
             if entry.cls not in done:
                 make = lambda e=entry: method_of(e, files, scorer)
-                runs = [one(session, pipeline, make, entry, p, new) for p in prompts]
+                runs = [compare(session, pipeline, make, entry.pipeline, p, new) for p in prompts]
                 rows.append({"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs})
                 print(entry.cls, [(r["heads_same"], r["heads"], r["same_answer"]) for r in runs], flush=True)
                 write_json(out, {**head, "presses": rows, "complete": False})  # a resumable partial report
