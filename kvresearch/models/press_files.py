@@ -94,6 +94,9 @@ def save_duo_patterns(path: str | Path, sink_size: int, recent_size: int, head_s
     return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
 
+_DUO_SCORES: dict[tuple[str, int, int], np.ndarray] = {}  # computed patterns, per (model, samples, chars)
+
+
 @dataclass
 class FileDuoAttentionPress(DuoAttentionPress):
     """DuoAttention with its head patterns from ``patterns`` (.npz), or computed on the model (``patterns=None``).
@@ -111,9 +114,11 @@ class FileDuoAttentionPress(DuoAttentionPress):
         import kvpress.presses.duo_attention_press as duo
 
         if self.patterns is None:
-            scores = duo.duo_attention_on_the_fly.__wrapped__  # not kvpress's cache: it keys on the model's name
-            with packaged_texts(duo, model, "chapter", self.samples, self.chars):
-                pattern = (128, 256, scores(model, num_samples=self.samples))
+            key = (model.config.name_or_path, self.samples, self.chars)  # kvpress's cache keys on the name only
+            if key not in _DUO_SCORES:
+                with packaged_texts(duo, model, "chapter", self.samples, self.chars):
+                    _DUO_SCORES[key] = duo.duo_attention_on_the_fly.__wrapped__(model, num_samples=self.samples)
+            pattern = (128, 256, _DUO_SCORES[key])
         else:
             found = np.load(
                 _file(
