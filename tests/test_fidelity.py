@@ -49,7 +49,9 @@ def test_full_cache_logppl_is_the_dense_forward_pass_and_methods_read_its_genera
         if reference is not None:
             assert (record["first_divergence"], record["token_agreement"]) == agreement(record["tokens"], reference)
         assert record["prune_ratio"] > 0.4 and record["context_prune_ratio"] == 0.0  # pruned while decoding only
-        assert record["kv_bytes_final_kept"] < record["kv_bytes_peak_kept"]
+        # kvpress's DecodingPress cuts a question of target_size tokens or more at once (the question is a step):
+        # the cache never grows past what that first cut left, plus the tokens of one interval
+        assert record["kv_bytes_final_kept"] <= record["kv_bytes_peak_kept"]
     result = subprocess.run(
         [sys.executable, "-m", "kvresearch.reports.tables", "--root", str(tmp_path), "--out", str(tmp_path / "t")],
         cwd=Path(__file__).parents[1],
