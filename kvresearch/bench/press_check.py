@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvresearch.models.cache import RaggedCache
-from kvresearch.models.presses import after_attention, cache_positions, row_hashes
+from kvresearch.models.presses import attention_hooks, cache_positions, row_hashes
 from kvresearch.models.session import Session
 
 HeadHashes = list[list[torch.Tensor]]  # [layer][KV head] -> sorted (kept,) int64 hashes of the kept pairs
@@ -95,9 +95,9 @@ def kvpress_kept(
     try:
         with (
             cache_positions(session.adapter),
-            after_attention(session.adapter, observe),  # before the press's hook: the layer still whole
+            attention_hooks(session.adapter, observe),  # before the press's hook: the layer still whole
             press(model),
-            after_attention(session.adapter, observe),
+            attention_hooks(session.adapter, observe),
         ):
             model(input_ids=ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
     finally:

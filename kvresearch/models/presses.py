@@ -53,12 +53,8 @@ def cache_positions(adapter: Any) -> Iterator[None]:
         kwargs["cache_position"] = torch.arange(start, start + hidden.shape[1], device=hidden.device)
         return args, kwargs
 
-    handles = [layer.attn.register_forward_pre_hook(before, with_kwargs=True) for layer in adapter.layers]
-    try:
+    with attention_hooks(adapter, before, pre=True):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def row_hashes(x: torch.Tensor) -> torch.Tensor:
@@ -161,9 +157,9 @@ def press_prefill(
         with (
             attention_calls(session.adapter, record),
             cache_positions(session.adapter),
-            after_attention(session.adapter, lambda *_: observe()),  # before the press: its layer still whole
+            attention_hooks(session.adapter, lambda *_: observe()),  # before the press: its layer still whole
             press(model),
-            after_attention(session.adapter, settle),  # registered after the press's hooks: runs after them
+            attention_hooks(session.adapter, settle),  # registered after the press's hooks: runs after them
         ):
             model(input_ids=ids, past_key_values=dense, use_cache=True, logits_to_keep=1)
     finally:
@@ -180,9 +176,14 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 @contextmanager
-def after_attention(adapter: Any, hook: Any) -> Iterator[None]:
-    """``hook(module, args, kwargs, output)`` after every attention module's forward (and hooks registered before)."""
-    handles = [layer.attn.register_forward_hook(hook, with_kwargs=True) for layer in adapter.layers]
+def attention_hooks(adapter: Any, hook: Any, pre: bool = False) -> Iterator[None]:
+    """``hook`` on every attention module inside the block.
+
+    ``hook(module, args, kwargs, output)`` runs after the module's forward and after hooks registered before it;
+    with ``pre``, ``hook(module, args, kwargs)`` runs before the forward.
+    """
+    register = "register_forward_pre_hook" if pre else "register_forward_hook"
+    handles = [getattr(layer.attn, register)(hook, with_kwargs=True) for layer in adapter.layers]
     try:
         yield
     finally:
@@ -323,10 +324,5 @@ def decoding_press(session: Session, cache: RaggedCache, press: Any) -> Iterator
         size = press.hidden_states_buffer_size
         buffers[index] = buffers[index][-size:] if size > 0 else []
 
-    handles = [layer.attn.register_forward_hook(hook, with_kwargs=True) for layer in session.adapter.layers]
-    try:
-        with cache_positions(session.adapter):
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    with attention_hooks(session.adapter, hook), cache_positions(session.adapter):
+        yield
