@@ -229,3 +229,25 @@ def test_budgets_stage_writes_a_file_that_compaction_loads(tmp_path, tiny, sessi
     method.compress(session, prompt)
     with pytest.raises(KVResearchError, match="make experiment-head_budgets"):
         build(method_config("am_omp_budgets", paths={"root": str(tmp_path / "elsewhere")}))
+
+
+def test_sliding_layers_are_compacted_on_what_their_window_shows() -> None:
+    """Tiny Gemma-3 (window 8; layers sliding, sliding, global), 40 context ids, the article 2..37: the global
+    layer compacts the article, each sliding layer the article's part among the last 7 positions (33..37)."""
+    from kvresearch.prompts import Prompt
+    from tests.helpers import tiny_family
+
+    session = Session(ModelAdapter(tiny_family("gemma3")), None)
+    ids = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    prompt = Prompt(ids, torch.tensor([[5, 6, 7]]), head_len=2, end_len=2)
+    cache = AttentionMatching(keep_ratio=0.25, queries={"sources": ["context"]}).compress(session, prompt)
+    for h in range(2):
+        sliding = entries(cache, 0, h)[0]
+        assert int(((sliding >= 33) & (sliding < 38)).sum()) == 1  # int(0.25 x 5) of the visible block
+        assert {38, 39} <= set(sliding.tolist())  # the template's end, as it is
+        glob = entries(cache, 2, h)[0]
+        assert int(((glob >= 2) & (glob < 38)).sum()) == 9 and len(glob) == 13  # int(0.25 x 36), plus 4 outside
+    stats = cache.stats()
+    assert stats["prune_ratio_per_layer"] == [pytest.approx(4 / 7)] * 2 + [pytest.approx(27 / 40)]
+    answer = session.generate(cache, prompt.question_ids, 3, eos=False)
+    assert len(answer.tokens) == 3

@@ -269,7 +269,7 @@ def test_append_grows_and_compact_shrinks_storage() -> None:
     assert layer.kv_bytes()["kept"] == 50 * layer.entry_bytes()
 
 
-def test_sliding_layer_drops_what_no_later_query_sees_and_counts_it_kept_not_stored() -> None:
+def test_sliding_layer_drops_what_no_later_query_sees_and_counts_what_it_shows() -> None:
     layer = RaggedLayer(window=8)
     k = torch.randn(1, 2, 20, 4)
     layer.update(k, k, {"cache_position": torch.arange(20)})
@@ -281,12 +281,29 @@ def test_sliding_layer_drops_what_no_later_query_sees_and_counts_it_kept_not_sto
     assert layer.head_positions(1).tolist() == [13, 14, 15, 17, 18, 19]
     assert layer.stored_per_head().tolist() == [6, 6]
     assert layer.kept_per_head().tolist() == [18, 19]  # 20 seen, less what each head's method evicted
+    assert layer.visible_per_head().tolist() == [6, 6] and layer.span(20) == 7  # what the next query sees
     assert layer.kv_bytes()["kept"] == 12 * layer.entry_bytes()
     for step in range(20, 120):  # decoding: the layer never holds more than the window plus the growth slack
         layer.update(k[:, :, :1], k[:, :, :1], {"cache_position": torch.tensor([step])})
         assert int(layer.lengths.max()) <= 7 + 64 + 1
         assert set(range(max(step - 6, 17), step + 1)) <= set(layer.head_positions(1).tolist())  # 16 was evicted
     assert layer.kept_per_head().tolist() == [118, 119]
+    assert layer.visible_per_head().tolist() == [7, 7]  # the evicted entries have left the window
+
+
+def test_the_prune_ratio_counts_only_what_a_sliding_layers_window_shows() -> None:
+    """Global layer: 20 of 20 kept. Sliding layer (window 8): the next query (at 20) sees 13..19, 7 positions."""
+    k = torch.randn(2, 20, 4)
+    full = RaggedCache.from_layers([(k, k), (k, k)], windows=[None, 8])
+    assert full.stats()["prune_ratio"] == 0.0 and full.stats()["tokens_seen"] == 2 * 20 + 2 * 7
+    keep = [[torch.arange(20)] * 2, [torch.tensor([0, 1, 2, 15, 19]), torch.tensor([13, 14, 16, 17, 18, 19])]]
+    cache = RaggedCache.from_layers([(k, k), (k, k)], keep, windows=[None, 8])
+    stats = cache.stats()
+    assert stats["kept_per_layer_head"] == [[20, 20], [2, 6]]  # 0, 1, 2 are out of the window: not kept
+    assert stats["prune_ratio_per_layer"] == [0.0, pytest.approx(1 - 8 / 14)]
+    assert stats["prune_ratio"] == pytest.approx(1 - 48 / 54)
+    cache.compact()  # the hidden entries go; the count is the same
+    assert cache.stats()["kept_per_layer_head"] == [[20, 20], [2, 6]]
 
 
 def test_a_global_layer_keeps_everything_it_was_not_told_to_evict() -> None:

@@ -14,7 +14,7 @@ from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions
 from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops.attention import uniform_stride
-from kvresearch.ops.selection import keep_topk
+from kvresearch.ops.selection import keep_topk, keep_topk_visible
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
 from tests.helpers import method_config, surrogate_run
@@ -119,6 +119,26 @@ def test_token_scopes_equal_a_brute_force_over_positions(scope) -> None:
             assert all(k.tolist() == expected for k in kept[i]), (scope, i)
     with pytest.raises(ValueError, match="as many positions"):
         keep_topk([scores[0], scores[1][:, :30]], ratio, "token_model")
+
+
+@pytest.mark.parametrize("scope", ["head", "layer", "global", "token_layer"])
+def test_a_sliding_layer_spends_its_budget_on_what_its_window_shows(scope) -> None:
+    """Brute force: a sliding layer (window 9) competes with its last 8 positions only, at r x 8 entries."""
+    g = torch.Generator().manual_seed(2)
+    windows, heads, n, ratio = [None, 9, 30], 2, 24, 0.5
+    scores = [torch.randn(heads, n, generator=g) for _ in windows]
+    scores[1][:, :16] += 10  # out of the window: however high, never kept
+    kept = keep_topk_visible(scores, ratio, scope, windows)
+    visible = [s if w is None else s[:, max(0, n - (w - 1)) :] for s, w in zip(scores, windows, strict=True)]
+    expected = keep_topk(visible, ratio, scope)
+    for layer, (mine, theirs, w) in enumerate(zip(kept, expected, windows, strict=True)):
+        offset = max(0, n - (w - 1)) if w else 0
+        assert [k.tolist() for k in mine] == [(k + offset).tolist() for k in theirs], (scope, layer)
+    assert all(int(k.min()) >= 16 for k in kept[1]) and sum(len(k) for k in kept[1]) > 0
+    if scope == "head":
+        assert [len(k) for k in kept[1]] == [4, 4] and [len(k) for k in kept[2]] == [12, 12]
+    with pytest.raises(ValueError, match="use token_layer"):
+        keep_topk_visible(scores, ratio, "token_model", windows)
 
 
 @pytest.mark.parametrize(("keep", "n"), [(0.3, 40), (0.5, 57), (0.1, 33), (0.75, 16)])

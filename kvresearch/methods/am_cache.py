@@ -35,6 +35,20 @@ def apply(layer: RaggedLayer, entries: list[HeadEntries]) -> None:
         layer.set_values(h, e.values)
 
 
+def layer_blocks(windows: list[int | None], span: slice, n: int) -> dict[int, slice]:
+    """Per layer, the block compacted: the span, or in a sliding layer the part of it its window still shows.
+
+    In a sliding layer (window W), the part of ``span`` among the last W - 1 of the ``n`` positions (what the
+    next query sees); a layer whose window shows none of the span has no block.
+    """
+    blocks = {}
+    for i, w in enumerate(windows):
+        block = span if w is None else slice(max(span.start, n - (w - 1)), span.stop)
+        if block.stop > block.start:
+            blocks[i] = block
+    return blocks
+
+
 def assemble(
     prefill: Prefill, index: int, h: int, pieces: list[tuple[slice, am.Compacted]], span: slice
 ) -> HeadEntries:

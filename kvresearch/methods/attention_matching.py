@@ -15,8 +15,10 @@ The options come in four groups (``am_options.py``), so a variant's YAML reads a
   of a layer's (or the model's) keys; ``span: all`` compacts the template tokens too. The ragged cache
   stores the uneven heads as they are, without padding.
 
-Sliding-window layers are left alone. Compacted keys keep their rotary positions; new tokens continue at
-the original length.
+A sliding-window layer (window W) is compacted on what its window still shows, the span's part among the
+last W - 1 positions, at the same ratio and with the queries of the span's last chunk: every layer holds its
+share of what the full cache holds, so AM is compared with eviction at the same memory. Compacted keys keep
+their rotary positions; new tokens continue at the original length.
 
 On-policy (``queries.on_policy``): the continuation suffix is pushed through the model once; before layer
 l runs, its queries (whose hidden states already went through the compacted layers 0..l-1) are captured
@@ -41,7 +43,7 @@ import torch
 
 from kvresearch.data import head_budgets
 from kvresearch.errors import KVResearchError
-from kvresearch.methods.am_cache import HeadEntries, apply, assemble, heldout_summary, kvzip_scores
+from kvresearch.methods.am_cache import HeadEntries, apply, assemble, heldout_summary, kvzip_scores, layer_blocks
 from kvresearch.methods.am_options import Budgets, Fit, KeySelection, Queries, part
 from kvresearch.methods.am_queries import (
     fixed_queries,
@@ -162,7 +164,7 @@ class AttentionMatching(Method):
     # ------------------------------------------------------------------ the whole cache
     @torch.no_grad()
     def compress(self, session: Session, prompt: Prompt) -> RaggedCache:
-        """Queries, one dense prefill, every global layer's heads compacted on the span (see the module docstring)."""
+        """Queries, one dense prefill, every layer's heads compacted on its block (see the module docstring)."""
         self.timings, self._report, self._errors = {}, {}, {}
         start = time.perf_counter()
         want_context = "context" in self.queries.sources or "random" in self.queries.sources
@@ -181,10 +183,11 @@ class AttentionMatching(Method):
         )
         self.timings["queries_s"] = time.perf_counter() - start
         kvzip = self._kvzip(session, prompt, prefill) if self.keys.select == "kvzip" else None
-        globals_ = [i for i, spec in enumerate(session.adapter.layers) if spec.sliding_window is None]
+        blocks = layer_blocks(session.windows, span, n)  # layer -> its block: the span, or its visible part
+        globals_ = [i for i, w in enumerate(session.windows) if w is None]
         out = prefill.ragged()
         if self.queries.on_policy:
-            entries = self._on_policy(session, prompt, prefill, span, fixed, study, globals_, kvzip)
+            entries = self._on_policy(session, prompt, prefill, span, fixed, study, blocks, kvzip)
         else:
             pieces: dict[int, list[list[tuple[slice, am.Compacted]]]] = {
                 i: [[] for _ in range(prefill.kv(i)[0].shape[0])] for i in globals_
@@ -202,6 +205,9 @@ class AttentionMatching(Method):
             entries = {
                 i: [assemble(prefill, i, h, p, span) for h, p in enumerate(by_head)] for i, by_head in pieces.items()
             }
+            for i in set(blocks) - set(globals_):  # sliding layers: their visible block, the last chunk's queries
+                compacted = self._compact_layer(session, prefill, i, queries[i], blocks[i], kvzip, None)
+                entries[i] = [assemble(prefill, i, h, [c], blocks[i]) for h, c in enumerate(compacted)]
         for i, by_head in entries.items():
             apply(out.ragged[i], by_head)
         self._report = {**heldout_summary(self._errors), "timings_s": dict(self.timings)}
@@ -242,10 +248,10 @@ class AttentionMatching(Method):
         span: slice,
         fixed: list[torch.Tensor] | None,
         study: list[torch.Tensor],
-        layers: list[int],
+        blocks: dict[int, slice],
         kvzip: list[torch.Tensor] | None,
     ) -> dict[int, list[HeadEntries]]:
-        """One pass of the suffix; each layer compacted in place just before the suffix attends to it."""
+        """One pass of the suffix; each layer's block compacted in place just before the suffix attends to it."""
         work = prefill.ragged()
         entries: dict[int, list[HeadEntries]] = {}
         suffix = self._suffix(session, prompt, span, study)
@@ -255,13 +261,13 @@ class AttentionMatching(Method):
 
         def compact_here(index: int, q: torch.Tensor) -> None:
             nonlocal inside
-            if index not in layers:
+            if index not in blocks:
                 return
             begin = time.perf_counter()
             if fixed is not None:
                 q = torch.cat([q, fixed[index]], dim=1)
-            pieces = self._compact_layer(session, prefill, index, q, span, kvzip, None)
-            entries[index] = [assemble(prefill, index, h, [p], span) for h, p in enumerate(pieces)]
+            pieces = self._compact_layer(session, prefill, index, q, blocks[index], kvzip, None)
+            entries[index] = [assemble(prefill, index, h, [p], blocks[index]) for h, p in enumerate(pieces)]
             apply(work.ragged[index], entries[index])
             inside += time.perf_counter() - begin
 
@@ -276,7 +282,7 @@ class AttentionMatching(Method):
 
     def _sizes(self, index: int, heads: int, n: int, blocks: list[am.Block] | None, layers: int) -> list[int]:
         """Entries per head of layer ``index`` for a block of n tokens."""
-        if self.shares is not None:
+        if self.shares is not None and (index, 0) in self.shares:  # a budgets run covers the global layers
             keys = [(index, h) for h in range(heads)]
             all_heads = [(i, h) for i in range(layers) for h in range(heads) if (i, h) in self.shares]
             sizes = budgets.sizes_from_shares(self.shares, all_heads, float(self.keep_ratio or 0), n)

@@ -27,7 +27,7 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Prefill, Session
-from kvresearch.ops.selection import SCOPES, keep_threshold, keep_topk, protect_window
+from kvresearch.ops.selection import SCOPES, keep_threshold, keep_topk_visible, protect_window
 from kvresearch.prompts import Prompt
 
 
@@ -188,7 +188,8 @@ def cache_from_scores(
         prefill: the dense prefill whose entries are kept or dropped.
         scores: per layer (kv_heads, T), higher is more important.
         threshold: keep scores at or above it (exactly one of threshold and keep_ratio).
-        keep_ratio: keep this share of the entries, within ``scope`` (head, layer or global).
+        keep_ratio: keep this share of the entries, within ``scope`` (head, layer or global); in a sliding-window
+            layer, this share of the entries its window still shows (``ops.selection.keep_topk_visible``).
         scope: where the keep_ratio budget applies.
         window: most recent entries always kept.
         sinks: first entries always kept.
@@ -201,7 +202,8 @@ def cache_from_scores(
     if threshold is not None:
         keep = keep_threshold(protected, threshold)
     else:
-        keep = keep_topk(protected, float(keep_ratio), scope)  # type: ignore[arg-type]
+        windows = prefill.windows or [None] * len(scores)  # a sliding layer's budget is its window's share
+        keep = keep_topk_visible(protected, float(keep_ratio), scope, windows)  # type: ignore[arg-type]
     return prefill.ragged(keep)
 
 

@@ -11,8 +11,9 @@ A sliding-window layer (window ``W``) also drops the entries no later query can 
 positions ``>= seen``, and a query at ``p`` sees ``pos`` only if ``p - pos < W``, so an entry at
 ``pos <= seen - W`` is dead weight. They go at :meth:`RaggedLayer.compact` and whenever a head would
 have to grow, so such a layer holds at most ``W - 1`` old entries plus the growth slack, whatever the
-context length. They still count as kept in the prune ratio (the method did not evict them; it is the
-model's own window that hides them), and not in the kept bytes (they are no longer stored).
+context length. The prune ratio counts what the next query can see, for every method and for the full
+cache alike: a sliding layer stands for its last ``W - 1`` positions and keeps the live entries among them
+(:meth:`RaggedLayer.visible_per_head`), so a method is not credited with entries the window hides anyway.
 
 Attention over it runs through the ``kvr_ragged`` attention implementation (``ragged_attention.py``).
 Batch size 1 only: a larger batch is refused with an error.
@@ -251,6 +252,23 @@ class RaggedLayer(CacheLayerMixin):
         """(kv_heads,) entries not evicted by a method: the stored ones and those the window hid."""
         return self.stored_per_head() + self.hidden
 
+    def visible_per_head(self) -> torch.Tensor:
+        """(kv_heads,) entries that count as kept: in a sliding layer, the live ones the next query still sees.
+
+        The next query sits at position ``seen`` and sees positions above ``seen - window``; a global layer
+        counts :meth:`kept_per_head`.
+        """
+        if self.window is None:
+            return self.kept_per_head()
+        first = self.seen - self.window
+        return torch.tensor(
+            [int((self.alive(h) & (self.head_positions(h) > first)).sum()) for h in range(len(self.caps))]
+        )
+
+    def span(self, seen: int) -> int:
+        """Positions per head that ``seen`` tokens stand for: all, or in a sliding layer the ``W - 1`` it shows."""
+        return seen if self.window is None else min(seen, self.window - 1)
+
     def stored_per_head(self) -> torch.Tensor:
         """(kv_heads,) entries held in memory and alive: what a memory budget counts."""
         return self.lengths - self.dead
@@ -331,10 +349,13 @@ class RaggedCache(Cache):
             self.layers[index] = new
 
     def stats(self) -> dict[str, Any]:
-        """Tokens seen and kept per layer and KV head, prune ratios, KV bytes (dense-equivalent, kept, allocated)."""
+        """Tokens seen and kept per layer and KV head, prune ratios, KV bytes (dense-equivalent, kept, allocated).
+
+        Sliding layers count the positions their window shows (:meth:`RaggedLayer.span`, ``visible_per_head``).
+        """
         layers = [layer for layer in self.ragged if layer.is_initialized]
-        kept = [layer.kept_per_head().tolist() for layer in layers]
-        seen = [(self.stands_for or layer.seen) * len(k) for layer, k in zip(layers, kept, strict=True)]
+        kept = [layer.visible_per_head().tolist() for layer in layers]
+        seen = [layer.span(self.stands_for or layer.seen) * len(k) for layer, k in zip(layers, kept, strict=True)]
         total_seen, total_kept = sum(seen), sum(sum(k) for k in kept)
         return {
             "tokens_seen": total_seen,

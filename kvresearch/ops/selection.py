@@ -14,6 +14,9 @@ The token scopes are what serving engines can hold: a position is kept or evicte
 once (``token_layer``: paged engines, whose pages span all heads) or in every layer (``token_model``:
 llama.cpp). A position scores the maximum over the heads (and layers) that share the decision, so it stays
 when any of them needs it; each layer (or the model) keeps round(r x positions) positions.
+
+On a model with sliding-window layers (Gemma-3), :func:`keep_topk_visible` budgets each sliding layer over the
+entries its window still shows, so every method is compared at the memory it really holds.
 """
 
 from __future__ import annotations
@@ -81,6 +84,25 @@ def keep_topk(
         protected = [anywhere.expand_as(p) for p in protected]
     masks = [mask | p for mask, p in zip(masks, protected, strict=True)]
     return [[torch.nonzero(row).view(-1) for row in mask] for mask in masks]
+
+
+def keep_topk_visible(
+    scores: list[torch.Tensor], keep_ratio: float, scope: str, windows: list[int | None]
+) -> list[list[torch.Tensor]]:
+    """:func:`keep_topk` over what the next query can see: a sliding layer (window W) keeps a share of its last W - 1.
+
+    The entries before them are out of the window (no later query attends to them), so they are neither kept
+    nor part of the budget: the budget of a sliding layer is round(r x min(n, W - 1)), spent on that layer's
+    visible entries. Global layers (window None) are as in :func:`keep_topk`.
+    """
+    starts = [max(0, s.shape[1] - (w - 1)) if w else 0 for s, w in zip(scores, windows, strict=True)]
+    if scope == "token_model" and any(starts):
+        raise ValueError(
+            "scope token_model keeps the same positions in every layer, but the sliding-window layers of this model "
+            "show fewer positions than its global layers: use token_layer (or head) on it."
+        )
+    kept = keep_topk([s[:, a:] for s, a in zip(scores, starts, strict=True)], keep_ratio, scope)
+    return [[rows + a for rows in layer] for layer, a in zip(kept, starts, strict=True)]
 
 
 def keep_threshold(scores: list[torch.Tensor], threshold: float) -> list[list[torch.Tensor]]:
