@@ -16,7 +16,11 @@ included) and the peak bytes while the press ran, and the seconds of each prefil
 get seeded placeholders (their answers check the bridge, not the press). Writes ``outputs/bench/presses.json``;
 the summary is in docs/presses.md.
 
+Each press's row keeps the commit it ran at; ``--resume`` keeps the rows of a partial report made with the same
+settings and ``--redo`` runs some of them again. ``complete`` is true once every press of the catalog has a row.
+
     python -m kvresearch.bench.presses [--presses snapkv kvpress_adakv] [--samples 3] [--length 2048]
+    python -m kvresearch.bench.presses --resume [--redo FinchPress]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from kvresearch.models import ModelAdapter, Session, load_model
 from kvresearch.models.press_catalog import CATALOG, NOT_BRIDGED, Entry
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, read_json, write_json
+from kvresearch.runs.provenance import git_state
 from kvresearch.speed import KVpressPipeline
 
 BASE = ["benchmark=ruler", "benchmark.tasks=[niah_single_2]"]
@@ -94,6 +99,7 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="keep the presses of a partial report with these settings"
     )
+    parser.add_argument("--redo", nargs="+", default=(), help="with --resume: run these presses (class names) again")
     parser.add_argument("--summarize", type=Path, default=None, help="print the Markdown table of a report and stop")
     args = parser.parse_args()
     if args.summarize:
@@ -112,8 +118,9 @@ def main() -> None:
     out = args.out or outputs_root() / "bench" / "presses.json"
     head = {"model": str(cfg.model.name), "threads": args.threads, "length": args.length, "samples": args.samples,
             "new_tokens": new, "kvzap_surrogate": source, "not_bridged": NOT_BRIDGED}  # fmt: skip
-    rows = resumed(out, head) if args.resume else []
-    done = {row["press"] for row in rows}
+    rows = [r for r in (resumed(out, head) if args.resume else []) if r["press"] not in args.redo]
+    done, commit = {row["press"] for row in rows}, git_state()
+    order = {e.cls: i for i, e in enumerate(CATALOG)}
     with tempfile.TemporaryDirectory() as folder:
         files = placeholder_files(loaded.model, Path(folder))
         bar = Progress(len(entries), "presses", unit="press")
@@ -121,12 +128,15 @@ def main() -> None:
             if entry.cls not in done:
                 make = lambda e=entry: method_of(e, files, scorer)
                 runs = [compare(session, pipeline, make, entry.pipeline, p, new) for p in prompts]
-                rows.append({"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs})
+                row = {"press": entry.cls, "config": entry.config, "phase": entry.phase, "samples": runs}
+                rows = sorted([*rows, {**row, "commit": commit["commit"], "dirty": commit["dirty"]}],
+                              key=lambda r: order.get(r["press"], len(order)))  # fmt: skip
                 print(entry.cls, [(r["heads_same"], r["heads"], r["same_answer"]) for r in runs], flush=True)
                 write_json(out, {**head, "presses": rows, "complete": False})  # a resumable partial report
             bar.update(press=entry.cls)
         bar.close()
-    write_json(out, {**head, "presses": rows, "complete": True})
+    complete = {r["press"] for r in rows} >= set(order)  # every press of the catalog, not only those asked for
+    write_json(out, {**head, "presses": rows, "complete": complete})
     print(markdown(read_json(out, "")))
     print(f"wrote {out}")
 

@@ -227,7 +227,8 @@ def _move(
         else:
             layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
             layer.seen = n  # the context's length, whether or not its last pair was kept
-    entry.keys, entry.values = keys[None, :, :0], values[None, :, :0]  # freed (kvpress's later passes see none)
+    empty = (1, keys.shape[0], 0, keys.shape[-1])  # new tensors: an empty view would keep the storage alive
+    entry.keys, entry.values = keys.new_empty(empty), values.new_empty(empty)  # kvpress's later passes see none
 
 
 def appends(press: Any) -> bool:
