@@ -5,7 +5,7 @@ The options come in four groups (``am_options.py``), so a variant's YAML reads a
 * ``queries``: one dense prefill of the context, then reference queries (``am_queries.py``: repeat,
   self-study, context, random; all query heads of a KV group pooled, capped at ``max_per_head`` per KV head
   by a seeded subsample, ``holdout`` of them kept aside for the reconstruction errors);
-* ``keys``: each global layer's KV heads compacted on the *article span* (the context's own tokens; the
+* ``keys``: each layer's KV heads compacted on the *article span* (the context's own tokens; the
   template tokens around it stay as they are, as in the papers): keys selected among the originals
   (``highest`` attention, ``omp``, or ``kvzip``: the KVzip+ oracle's top keys, our hybrid);
 * ``fit``: beta by bounded NNLS, values by least squares (either can be switched off for ablations);
