@@ -93,6 +93,16 @@ def test_masking_press_frees_what_kvpress_holds(bench) -> None:
     assert method.report()["peak_kv_bytes"] < held["peak_bytes"]  # one dense layer at a time, not all
 
 
+@pytest.mark.parametrize("cls", ["KVzipPress", "KVComposePress"])
+def test_a_press_that_cuts_after_the_prefill_holds_hashes_not_copies(bench, cls) -> None:
+    session, prompt, files, _ = bench
+    method = method_of(by_class()[cls], session, files)
+    method.compress(session, prompt)
+    _, held, _ = kvpress_kept(session, prompt.context_ids, method_of(by_class()[cls], session, files).press, None)
+    # a copy of every layer's pairs until the end would add kvpress's whole dense cache; a hash adds 16 bytes a pair
+    assert method.report()["peak_kv_bytes"] < 1.1 * held["peak_bytes"]
+
+
 def test_rerotated_keys_continue_at_the_kept_length(bench) -> None:
     session, prompt, files, _ = bench
     cache = method_of(by_class()["KeyRerotationPress"], session, files).compress(session, prompt)

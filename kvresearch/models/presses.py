@@ -80,13 +80,8 @@ def _positions_of(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 def _exact_positions(kept: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
     """:func:`_positions_of` where every row of ``kept`` is a bitwise copy of a distinct row; else None."""
     if kept.dtype == original.dtype and kept.shape[0] <= original.shape[0]:
-        hashes = row_hashes(original)
-        order = hashes.argsort()
-        ranked = hashes[order]
-        found = torch.searchsorted(ranked, row_hashes(kept)).clamp(max=len(ranked) - 1)
-        rows = order[found]
-        unique = bool((ranked[1:] != ranked[:-1]).all())
-        if unique and torch.equal(original[rows], kept) and rows.unique().numel() == rows.numel():
+        rows = _hashed_positions(kept, row_hashes(original))
+        if rows is not None and torch.equal(original[rows], kept):
             return rows
     return None
 
@@ -117,8 +112,10 @@ def press_prefill(
     Where the press compresses inside each layer's forward (kvpress's ``BasePress`` context manager), a layer
     moves into the ragged cache as soon as the press has run on it, and its dense pairs are freed: at most one
     layer is held densely besides what is kept. Presses that evict after the prefill (KVzip, KVgrad, Fast KVzip,
-    KVCompose) move at the end. The peak of the bytes held (dense cache, pairs captured before the press,
-    ragged cache) is in ``cache.method_state["peak_kv_bytes"]``.
+    KVCompose) move at the end; until then they hold a hash of each captured key and value row (16 bytes a pair)
+    instead of a copy, and find the kept pairs by hash. FinchPress, whose re-rotated keys may need the nearest
+    pair, holds copies. The peak of the bytes held (dense cache, pairs or hashes captured before the press, ragged
+    cache) is in ``cache.method_state["peak_kv_bytes"]``.
 
     Args:
         session: the model.
@@ -136,9 +133,14 @@ def press_prefill(
     out = RaggedCache(len(session.adapter.layers), session.windows)
     peak = 0
 
+    late = type(press).__call__ is not BasePress.__call__  # its layers move after the prefill, not as it runs
+    hashed = late and not rerotates(press)  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
+
     def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The pairs of the layer's first call (the context), before the press: (Hkv, T, d) each."""
-        originals.setdefault(layer, (k[0].detach().clone(), v[0].detach().clone()))
+        """The pairs of the layer's first call (the context), before the press: (Hkv, T, d) each, or their hashes."""
+        if layer not in originals:
+            k, v = k[0].detach(), v[0].detach()
+            originals[layer] = (_head_hashes(k), _head_hashes(v)) if hashed else (k.clone(), v.clone())
 
     def observe() -> None:
         nonlocal peak
@@ -147,7 +149,7 @@ def press_prefill(
 
     def settle(module: Any, _args: tuple, _kwargs: dict, _output: Any) -> None:
         observe()
-        if type(press).__call__ is BasePress.__call__ and int(module.layer_idx) in originals:
+        if not late and int(module.layer_idx) in originals:
             _move(session, press, dense, originals, out, int(module.layer_idx), ids.shape[1])
 
     previous = model.config._attn_implementation
@@ -245,12 +247,43 @@ def rerotates(press: Any) -> bool:
     return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
 
 
+def _head_hashes(x: torch.Tensor) -> torch.Tensor:
+    """(Hkv, T) int64: :func:`row_hashes` of each head's rows of ``x`` (Hkv, T, d)."""
+    return row_hashes(x.reshape(-1, x.shape[-1])).view(x.shape[0], x.shape[1])
+
+
+def _hashed_positions(kept: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor | None:
+    """Indices into the rows hashed by ``hashes`` (T,) of the rows of ``kept`` (n, d).
+
+    None where a row is not found, or two hashed rows hash alike (then they cannot be told apart without their bytes).
+    """
+    order = hashes.argsort()
+    ranked = hashes[order]
+    wanted = row_hashes(kept)
+    found = torch.searchsorted(ranked, wanted).clamp(max=len(ranked) - 1)
+    rows = order[found]
+    unique = bool((ranked[1:] != ranked[:-1]).all())
+    if unique and torch.equal(hashes[rows], wanted) and rows.unique().numel() == rows.numel():
+        return rows
+    return None
+
+
 def kept_positions(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Positions (m,) of kept pairs ``k``, ``v`` (m, d) among the pairs before the press, ``keys``, ``values`` (T, d).
 
     By the keys where the press copied them (bit for bit), else by the values (a press that re-rotated the keys
-    copies the values), else by the nearest pairs (keys and values together).
+    copies the values), else by the nearest pairs (keys and values together). Where only the rows' hashes were
+    held (``keys`` and ``values`` (T,) int64), by the hashes of the keys, else of the values.
     """
+    if keys.dim() == 1:
+        for kept, hashes in ((k, keys), (v, values)):
+            rows = _hashed_positions(kept, hashes)
+            if rows is not None:
+                return rows
+        raise KVResearchError(
+            "The press rewrote both the keys and the values it kept, so they cannot be found by hash among the "
+            "pairs before it; a press that evicts after the prefill must copy its keys or its values."
+        )
     for kept, original in ((k, keys), (v, values)):
         rows = _exact_positions(kept, original)
         if rows is not None:
