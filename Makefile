@@ -38,7 +38,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix kvresearch tests && $(VENV)/bin/ruff format kvresearch tests
 
 test: $(STAMP) lint ## lint, then the whole test suite on CPU (GPU tests skip without a GPU; test-fast: not the slow ones)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=12
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
