@@ -11,7 +11,7 @@ from kvresearch.methods.base import cache_from_scores
 from kvresearch.methods.kvzap import KVzap
 from kvresearch.methods.kvzip import KVzip
 from kvresearch.models import ModelAdapter, Session
-from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions
+from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions, kept_positions, row_hashes
 from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops.attention import uniform_stride
 from kvresearch.ops.selection import keep_topk, keep_topk_visible
@@ -84,6 +84,20 @@ def test_kept_rows_are_found_by_their_bytes_as_by_distance_and_ambiguity_falls_b
     found = _positions_of(twins[[5, 9, 20]], twins)
     assert sorted(found[:2].tolist()) == [5, 9] and found[2] == 20
     assert torch.equal(_positions_of(original[pick] + 1e-6, original), pick)  # not bitwise copies: nearest rows
+
+
+def test_kept_pairs_are_found_by_hash_by_keys_else_values_and_rewritten_pairs_are_refused() -> None:
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(200, 8, generator=g), torch.randn(200, 8, generator=g)
+    values[7] = values[3]  # equal values (a repeated token): the keys still tell them apart
+    key_hashes, value_hashes = row_hashes(keys), row_hashes(values)
+    pick = torch.randperm(200, generator=g)[:50]
+    assert torch.equal(kept_positions(keys[pick], values[pick], key_hashes, value_hashes), pick)
+    moved = keys[pick] * 2  # keys rewritten (re-rotated), values copied: found by the values
+    distinct = torch.randn(200, 8, generator=g)
+    assert torch.equal(kept_positions(moved, distinct[pick], key_hashes, row_hashes(distinct)), pick)
+    with pytest.raises(KVResearchError, match="rewrote both"):
+        kept_positions(moved, values[pick] + 1, key_hashes, value_hashes)
 
 
 def test_fixed_budget_scopes() -> None:
