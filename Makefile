@@ -60,7 +60,7 @@ table-%: $(STAMP) ## an experiment's table and figure from run folders and run r
 report-%: $(STAMP) ## a report over finished runs: tables (every evaluate run), am_curves, costs, fit_table (kvresearch/reports/)
 	$(PY) -m kvresearch.reports.$* $(ARGS)
 
-study-%: $(STAMP) ## a surrogate study: surrogates (leave-one-source-out), probe, transfer (kvresearch/studies/; ARGS=--help)
+study-%: $(STAMP) ## a study: surrogates (leave-one-source-out), probe, transfer, granularity (kvresearch/studies/; ARGS=--help)
 	$(PY) -m kvresearch.studies.$* $(ARGS)
 
 bench-%: $(STAMP) ## a benchmark against its reference, JSON in outputs/bench/: eval, extract, kvzap, am, am_cost, windows, presses

@@ -1,0 +1,28 @@
+"""The granularity study's pure parts: where a needle sits in the context, and what a selection keeps of it."""
+
+from __future__ import annotations
+
+import torch
+
+from kvresearch.ops.selection import keep_topk
+from kvresearch.studies.granularity import needle_positions, scope_summary
+
+
+def test_the_needle_is_found_by_any_spelling_of_the_answer() -> None:
+    ids = torch.tensor([5, 9, 1, 2, 3, 9, 1, 2])
+    assert needle_positions(ids, [[7, 7], [1, 2, 3]]) == [2, 3, 4]  # the first spelling is absent
+    assert needle_positions(ids, [[9, 1]]) == [1, 2]  # its first occurrence
+    assert needle_positions(ids, [[4]]) == []
+
+
+def test_a_head_holds_the_needle_only_with_every_token_of_it() -> None:
+    scores = [torch.zeros(2, 10) for _ in range(2)]
+    scores[0][0, [3, 4]] = 5.0  # layer 0, head 0 wants the needle (positions 3, 4)
+    scores[1][1, 3] = 5.0  # layer 1, head 1 wants half of it
+    per_head = scope_summary(keep_topk(scores, 0.2, "head"), [3, 4], 10)
+    assert per_head["heads_with_needle"] == 0.25  # one of four heads keeps both tokens
+    assert per_head["kept_share"] == {"min": 0.2, "median": 0.2, "max": 0.2}
+    shared = scope_summary(keep_topk(scores, 0.2, "token_model"), [3, 4], 10)
+    assert shared["heads_with_needle"] == 1.0  # both positions rank first by their best head: kept everywhere
+    spread = scope_summary(keep_topk(scores, 0.1, "global"), [3, 4], 10)["kept_share"]
+    assert spread["max"] >= 0.2 and spread["min"] == 0.0  # one budget: head 0 of layer 0 takes most, a head none
