@@ -85,6 +85,8 @@ def kvpress_kept(
 ) -> tuple[HeadHashes, dict, DynamicCache]:
     """Kvpress prefills ``ids`` (1, T) under ``press``: each head's kept pairs, its bytes (held, peak), its cache."""
     model, dense, peak = session.model, DynamicCache(), [0]
+    for spec in session.adapter.layers:  # a mask left by an earlier run (kvpress's pipeline answer) is not this one's
+        spec.attn.masked_key_indices = None
 
     def observe(*_: Any) -> None:
         peak[0] = max(peak[0], sum(_bytes(e) for e in dense.layers))

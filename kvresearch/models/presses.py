@@ -133,6 +133,8 @@ def press_prefill(
     out = RaggedCache(len(session.adapter.layers), session.windows)
     peak = 0
 
+    for spec in session.adapter.layers:  # a mask left by an earlier run is not this press's
+        spec.attn.masked_key_indices = None
     late = type(press).__call__ is not BasePress.__call__  # its layers move after the prefill, not as it runs
     hashed = late and not rerotates(press)  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
 
