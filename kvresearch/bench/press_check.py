@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from kvresearch.models.cache import RaggedCache
-from kvresearch.models.presses import attention_hooks, cache_positions, row_hashes
+from kvresearch.models.presses import attention_hooks, cache_positions, clear_masks, row_hashes
 from kvresearch.models.session import Session
 
 HeadHashes = list[list[torch.Tensor]]  # [layer][KV head] -> sorted (kept,) int64 hashes of the kept pairs
@@ -85,8 +85,7 @@ def kvpress_kept(
 ) -> tuple[HeadHashes, dict, DynamicCache]:
     """Kvpress prefills ``ids`` (1, T) under ``press``: each head's kept pairs, its bytes (held, peak), its cache."""
     model, dense, peak = session.model, DynamicCache(), [0]
-    for spec in session.adapter.layers:  # a mask left by an earlier run (kvpress's pipeline answer) is not this one's
-        spec.attn.masked_key_indices = None
+    clear_masks(session.adapter)  # a mask left by an earlier run (kvpress's pipeline answer) is not this one's
 
     def observe(*_: Any) -> None:
         peak[0] = max(peak[0], sum(_bytes(e) for e in dense.layers))

@@ -133,8 +133,7 @@ def press_prefill(
     out = RaggedCache(len(session.adapter.layers), session.windows)
     peak = 0
 
-    for spec in session.adapter.layers:  # a mask left by an earlier run is not this press's
-        spec.attn.masked_key_indices = None
+    clear_masks(session.adapter)
     late = type(press).__call__ is not BasePress.__call__  # its layers move after the prefill, not as it runs
     hashed = late and not rerotates(press)  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
 
@@ -293,10 +292,20 @@ def kept_positions(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values:
     return _nearest_positions(torch.cat([k, v], dim=-1), torch.cat([keys, values], dim=-1))
 
 
+def clear_masks(adapter: Any) -> None:
+    """Forget the masks (``masked_key_indices``) that a press left on the attention modules of ``adapter``.
+
+    A fresh prefill starts without them, or the pairs an earlier run masked would be dropped again.
+    """
+    for spec in adapter.layers:
+        spec.attn.masked_key_indices = None
+
+
 @torch.no_grad()
 def kvpress_prefill(session: Session, ids: torch.Tensor, press: Any) -> tuple[DynamicCache, int]:
     """A plain kvpress prefill of ``ids`` (1, T) under ``press``: its cache and the bytes of the keys and values."""
     dense = DynamicCache()
+    clear_masks(session.adapter)
     with cache_positions(session.adapter), press(session.model):
         session.model(input_ids=ids.to(session.device), past_key_values=dense, use_cache=True, logits_to_keep=1)
     kept_bytes = sum(e.keys.numel() * e.keys.element_size() * 2 for e in dense.layers if e.keys is not None)

@@ -30,7 +30,7 @@ from kvresearch.bench.eval import config
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.ops.selection import keep_topk, protect_window
+from kvresearch.ops.selection import keep_topk_visible, protect_window
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, write_json
 
@@ -82,6 +82,7 @@ def main() -> None:
     session = Session(ModelAdapter(loaded.model), loaded.tokenizer)
     method = build(cfg.method)
     samples = load_samples(cfg.benchmark, loaded.tokenizer)
+    windows = session.windows or [None] * len(session.adapter.layers)  # a sliding layer budgets what it shows
     rows: list[dict[str, Any]] = []
     bar = Progress(len(samples), "contexts", unit="context")
     for sample in samples:
@@ -94,7 +95,10 @@ def main() -> None:
         _, scores = method.scores(session, prompt.context_ids.to(session.device))
         scores = protect_window([s.cpu() for s in scores], method.window, method.sinks)
         n = prompt.context_ids.shape[1]
-        by_scope = {scope: scope_summary(keep_topk(scores, args.keep, scope), needle, n) for scope in args.scopes}
+        by_scope = {
+            scope: scope_summary(keep_topk_visible(scores, args.keep, scope, windows), needle, n)
+            for scope in args.scopes
+        }
         rows.append({"id": sample.record_id(0), "needle_tokens": len(needle), "context": n, "scopes": by_scope})
         bar.update()
     bar.close()
