@@ -1,7 +1,8 @@
 """Where each eviction scope keeps a needle: KVzap's scores on RULER needle contexts, selected per scope.
 
     python -m kvresearch.studies.granularity [--task niah_single_2] [--samples 5] [--length 2048] [--keep 0.25]
-        [--scopes global head token_layer token_model] [--out outputs/granularity_needles.json]
+        [--scopes global head token_layer token_model] [--reductions max mean rank]
+        [--out outputs/granularity_needles.json]
 
 For each context (the embedded model; KVzap-MLP of ``paths.surrogate_mlp`` with its window and sinks, as
 ``method=kvzap_mlp`` keeps a ``keep_ratio``), the surrogate's scores are selected by each scope
@@ -9,9 +10,14 @@ For each context (the embedded model; KVzap-MLP of ``paths.surrogate_mlp`` with 
 
 * ``heads_with_needle``: the share of (layer, KV head) that keep every token of the needle's value (the answer's
   tokens where they occur in the context);
+* ``needle_tokens_kept``: the share of (layer, KV head, needle token) kept, which credits half a needle;
 * ``kept_share``: each head's kept share of the context, its minimum, median and maximum over the heads. Under
   ``global`` it shows how unevenly one budget over the model spreads over the heads; ``head`` and the token
   scopes keep the same count in every head.
+
+The token scopes rank a position by one score shared by the heads that keep or evict it together. The selection
+of the methods takes its best score over them (``max``); ``--reductions`` adds other reductions, as scopes named
+``token_layer/mean`` and so on (:func:`shared_scores`), to compare them before spending generation on them.
 
 No generation: it explains the ``granularity`` experiment's scores (docs/serving.md), it does not replace them.
 """
@@ -47,14 +53,52 @@ def needle_positions(context_ids: torch.Tensor, answer_ids: list[list[int]]) -> 
 
 
 def scope_summary(kept: list[list[torch.Tensor]], needle: list[int], n: int) -> dict[str, Any]:
-    """``heads_with_needle`` and ``kept_share`` (module docstring) of one selection over a context of ``n``."""
+    """``heads_with_needle``, ``needle_tokens_kept`` and ``kept_share`` (module docstring) of one selection."""
     want = torch.tensor(needle)
     shares = [len(rows) / n for layer in kept for rows in layer]
-    holding = [bool(torch.isin(want, rows).all()) for layer in kept for rows in layer]
+    held = [torch.isin(want, rows) for layer in kept for rows in layer]  # (needle,) per head
     return {
-        "heads_with_needle": sum(holding) / len(holding),
+        "heads_with_needle": sum(bool(h.all()) for h in held) / len(held),
+        "needle_tokens_kept": float(torch.stack(held).float().mean()),
         "kept_share": {"min": min(shares), "median": statistics.median(shares), "max": max(shares)},
     }
+
+
+REDUCTIONS = ("max", "mean", "rank")
+
+
+def shared_scores(scores: list[torch.Tensor], reduction: str) -> list[torch.Tensor]:
+    """Each layer's scores (kv_heads, n) with one score per position, reduced over the heads, in every head.
+
+    ``max``: the position's best score (what ``ops/selection.py`` ranks the token scopes by); ``mean``: its mean
+    score; ``rank``: its best quantile within a head (each head's scores replaced by rank / (n - 1), so that a head
+    whose scores run higher than the others' does not decide every position). An entry protected in a head (+inf:
+    the window, the sinks) stays protected in every head.
+    """
+    if reduction not in REDUCTIONS:
+        raise KVResearchError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+    out = []
+    for s in scores:
+        inf = torch.isposinf(s)
+        if reduction == "max":
+            one = s.amax(dim=0)
+        elif reduction == "mean":
+            one = s.masked_fill(inf, 0.0).mean(dim=0)
+        else:
+            one = (s.argsort(dim=1).argsort(dim=1).to(s.dtype) / max(1, s.shape[1] - 1)).amax(dim=0)
+        out.append(one.masked_fill(inf.any(dim=0), float("inf")).expand_as(s))
+    return out
+
+
+def selections(
+    scores: list[torch.Tensor], keep: float, scopes: list[str], reductions: list[str], windows: list[int | None]
+) -> dict[str, list[list[torch.Tensor]]]:
+    """Scope label -> kept indices per layer and head: each scope, and each token scope under each reduction."""
+    kept = {scope: keep_topk_visible(scores, keep, scope, windows) for scope in scopes}
+    for scope in (s for s in scopes if s.startswith("token_")):
+        for reduction in (r for r in reductions if r != "max"):
+            kept[f"{scope}/{reduction}"] = keep_topk_visible(shared_scores(scores, reduction), keep, scope, windows)
+    return kept
 
 
 @torch.no_grad()
@@ -66,6 +110,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--scopes", nargs="+", default=["global", "head", "token_layer", "token_model"])
+    parser.add_argument("--reductions", nargs="+", default=list(REDUCTIONS), choices=REDUCTIONS)
     parser.add_argument("--out", type=Path, default=outputs_root() / "granularity_needles.json")
     args = parser.parse_args()
     cfg = config(
@@ -95,22 +140,24 @@ def main() -> None:
         _, scores = method.scores(session, prompt.context_ids.to(session.device))
         scores = protect_window([s.cpu() for s in scores], method.window, method.sinks)
         n = prompt.context_ids.shape[1]
-        by_scope = {
-            scope: scope_summary(keep_topk_visible(scores, args.keep, scope, windows), needle, n)
-            for scope in args.scopes
-        }
+        kept = selections(scores, args.keep, args.scopes, args.reductions, windows)
+        by_scope = {label: scope_summary(rows_kept, needle, n) for label, rows_kept in kept.items()}
         rows.append({"id": sample.record_id(0), "needle_tokens": len(needle), "context": n, "scopes": by_scope})
         bar.update()
     bar.close()
-    mean = {scope: sum(r["scopes"][scope]["heads_with_needle"] for r in rows) / len(rows) for scope in args.scopes}
+    labels = list(rows[0]["scopes"])
+    mean = {key: {label: sum(r["scopes"][label][key] for r in rows) / len(rows) for label in labels}
+            for key in ("heads_with_needle", "needle_tokens_kept")}  # fmt: skip
     report = {"task": args.task, "length": args.length, "keep": args.keep, "model": str(cfg.model.name),
               "surrogate": str(cfg.paths.surrogate_mlp), "window": method.window, "sinks": method.sinks,
-              "heads_with_needle_mean": mean, "contexts": rows}  # fmt: skip
+              "heads_with_needle_mean": mean["heads_with_needle"],
+              "needle_tokens_kept_mean": mean["needle_tokens_kept"], "contexts": rows}  # fmt: skip
     write_json(args.out, report)
-    for scope in args.scopes:
-        spread = [r["scopes"][scope]["kept_share"] for r in rows]
+    for label in labels:
+        spread = [r["scopes"][label]["kept_share"] for r in rows]
         print(
-            f"{scope:12} heads keeping the needle {100 * mean[scope]:5.1f}%  kept share per head "
+            f"{label:18} heads keeping the needle {100 * mean['heads_with_needle'][label]:5.1f}%  needle tokens "
+            f"kept {100 * mean['needle_tokens_kept'][label]:5.1f}%  kept share per head "
             f"min {min(s['min'] for s in spread):.3f} max {max(s['max'] for s in spread):.3f}"
         )
     print(f"wrote {args.out}")
