@@ -93,8 +93,8 @@ def test_masking_press_frees_what_kvpress_holds(bench) -> None:
     assert method.report()["peak_kv_bytes"] < held["peak_bytes"]  # one dense layer at a time, not all
 
 
-@pytest.mark.parametrize("cls", ["KVzipPress", "KVComposePress"])
-def test_a_press_that_cuts_after_the_prefill_holds_hashes_not_copies(bench, cls) -> None:
+@pytest.mark.parametrize("cls", ["KVzipPress", "KVComposePress", "FinchPress"])
+def test_a_press_that_cuts_after_the_prefill_holds_no_copies(bench, cls) -> None:
     session, prompt, files, _ = bench
     method = method_of(by_class()[cls], session, files)
     method.compress(session, prompt)

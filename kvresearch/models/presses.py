@@ -4,8 +4,9 @@ A press runs during a dense prefill exactly as in kvpress. Its result then moves
 cache, whatever the press (``models/press_catalog.py`` lists them all):
 
 * presses that drop pairs (the ScorerPress family and its wrappers) leave fewer keys per head, whose
-  positions we recover by matching them to the keys captured before the press ran, or, where the press
-  rewrote the keys (KeyRerotationPress, FinchPress), to the values;
+  positions we recover by matching them to the keys captured before the press ran, else to the values;
+  presses that re-rotate the keys (KeyRerotationPress, FinchPress) keep theirs in position order at
+  ``0 .. m-1``, which needs no position;
 * presses that only mask pairs (DMSPress, KVzipPress, AdaKVPress, DuoAttentionPress, ...) leave
   ``module.masked_key_indices``, whose pairs we drop;
 * presses that rewrite contents (MergingPress's values, ThinKPress's zeroed key channels, the re-rotated
@@ -113,9 +114,10 @@ def press_prefill(
     moves into the ragged cache as soon as the press has run on it, and its dense pairs are freed: at most one
     layer is held densely besides what is kept. Presses that evict after the prefill (KVzip, KVgrad, Fast KVzip,
     KVCompose) move at the end; until then they hold a hash of each captured key and value row (16 bytes a pair)
-    instead of a copy, and find the kept pairs by hash. FinchPress, whose re-rotated keys may need the nearest
-    pair, holds copies. The peak of the bytes held (dense cache, pairs or hashes captured before the press, ragged
-    cache) is in ``cache.method_state["peak_kv_bytes"]``.
+    instead of a copy, and find the kept pairs by hash. A press that re-rotates the keys (FinchPress,
+    KeyRerotationPress) holds nothing: it keeps its pairs in the order of their positions, at ``0 .. m-1``, so
+    they move as kvpress left them. The peak of the bytes held (dense cache, pairs or hashes captured before the
+    press, ragged cache) is in ``cache.method_state["peak_kv_bytes"]``.
 
     Args:
         session: the model.
@@ -128,7 +130,7 @@ def press_prefill(
 
     model = session.model
     ids = ids.to(session.device)
-    originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    originals: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     dense = DynamicCache()
     out = RaggedCache(len(session.adapter.layers), session.windows)
     peak = 0
@@ -138,10 +140,13 @@ def press_prefill(
     hashed = late and not rerotates(press)  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
 
     def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The pairs of the layer's first call (the context), before the press: (Hkv, T, d) each, or their hashes."""
+        """Note the context's pairs before the press: copies (Hkv, T, d), hashes (Hkv, T), or none (re-rotation)."""
         if layer not in originals:
             k, v = k[0].detach(), v[0].detach()
-            originals[layer] = (_head_hashes(k), _head_hashes(v)) if hashed else (k.clone(), v.clone())
+            if rerotates(press):
+                originals[layer] = (None, None)
+            else:
+                originals[layer] = (_head_hashes(k), _head_hashes(v)) if hashed else (k.clone(), v.clone())
 
     def observe() -> None:
         nonlocal peak
@@ -220,16 +225,16 @@ def _move(
         layer.update(keys[None], values[None], {"cache_position": torch.arange(n, device=keys.device)})
         layer.keep_only([torch.nonzero(row).view(-1) for row in mask])
         layer.compact()
+    elif rerotates(press):  # pairs dropped, keys re-rotated to 0 .. m-1 in kvpress's order (sorted positions)
+        layer.update(keys[None], values[None], {"cache_position": torch.arange(keys.shape[1], device=keys.device)})
+        out.stands_for = n
     else:  # pairs dropped: each kept pair at its position (found among the pairs before the press), in order
+        assert before[0] is not None and before[1] is not None
         rows = torch.stack([kept_positions(keys[h], values[h], before[0][h], before[1][h]) for h in range(len(keys))])
         order = rows.argsort(dim=1)[..., None]  # (Hkv, m, 1)
         k, v = (t.gather(1, order.expand(-1, -1, t.shape[-1])) for t in (keys, values))
-        if rerotates(press):  # keys re-rotated to 0 .. m-1 in kvpress's order (sorted positions)
-            layer.update(k[None], v[None], {"cache_position": torch.arange(k.shape[1], device=k.device)})
-            out.stands_for = n
-        else:
-            layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
-            layer.seen = n  # the context's length, whether or not its last pair was kept
+        layer.update(k[None], v[None], {"cache_position": rows.gather(1, order[..., 0])})
+        layer.seen = n  # the context's length, whether or not its last pair was kept
     empty = (1, keys.shape[0], 0, keys.shape[-1])  # new tensors: an empty view would keep the storage alive
     entry.keys, entry.values = keys.new_empty(empty), values.new_empty(empty)  # kvpress's later passes see none
 
