@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvresearch.ops.selection import keep_topk
-from kvresearch.studies.granularity import REDUCTIONS, needle_positions, scope_summary, selections, shared_scores
+from kvresearch.studies.granularity import needle_positions, scope_summary, selections
 
 
 def test_the_needle_is_found_by_any_spelling_of_the_answer() -> None:
@@ -26,25 +26,6 @@ def test_a_head_holds_the_needle_only_with_every_token_of_it() -> None:
     assert shared["heads_with_needle"] == 1.0  # both positions rank first by their best head: kept everywhere
     spread = scope_summary(keep_topk(scores, 0.1, "global"), [3, 4], 10)["kept_share"]
     assert spread["max"] >= 0.2 and spread["min"] == 0.0  # one budget: head 0 of layer 0 takes most, a head none
-
-
-def test_the_shared_scores_reduce_over_the_heads_as_a_brute_force_does() -> None:
-    torch.manual_seed(0)
-    scores = [torch.randn(3, 12, dtype=torch.float64) for _ in range(2)]
-    scores[0][:, -2:] = float("inf")  # a protected window
-    for reduction in REDUCTIONS:
-        for s, shared in zip(scores, shared_scores(scores, reduction), strict=True):
-            for p in range(12):
-                column = s[:, p].tolist()
-                if p >= 10 and s is scores[0]:
-                    want = float("inf")
-                elif reduction == "max":
-                    want = max(column)
-                elif reduction == "mean":
-                    want = sum(column) / 3
-                else:  # the best quantile of the position within a head
-                    want = max(sum(v < x for v in s[h].tolist()) / 11 for h, x in enumerate(column))
-                assert torch.allclose(shared[:, p], torch.tensor(want, dtype=torch.float64)), (reduction, p)
 
 
 def test_rank_is_blind_to_a_head_whose_scores_run_higher_and_max_is_not() -> None:

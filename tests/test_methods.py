@@ -14,7 +14,7 @@ from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions, kept_positions, row_hashes
 from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops.attention import uniform_stride
-from kvresearch.ops.selection import keep_topk, keep_topk_visible
+from kvresearch.ops.selection import REDUCTIONS, keep_topk, keep_topk_visible, position_scores, protect_window
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
 from tests.helpers import method_config, surrogate_run
@@ -116,23 +116,49 @@ def test_fixed_budget_scopes() -> None:
     assert kept_values.min() >= flat.topk(60).values.min()
 
 
+def reduced_by_hand(s: torch.Tensor, p: int, reduction: str) -> float:
+    """Position ``p``'s score over the heads of ``s`` (heads, n), written out (+inf where any head protects it)."""
+    column = s[:, p].tolist()
+    if float("inf") in column:
+        return float("inf")
+    if reduction == "max":
+        return max(column)
+    if reduction == "mean":
+        return sum(column) / len(column)
+    return max(sum(v < x for v in s[h].tolist()) / (s.shape[1] - 1) for h, x in enumerate(column))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("scope", ["token_layer", "token_model"])
-def test_token_scopes_equal_a_brute_force_over_positions(scope) -> None:
-    """One decision per position for every head of a layer (or every layer): its best score over them ranks it."""
+def test_token_scopes_equal_a_brute_force_over_positions(scope, reduction) -> None:
+    """One decision per position for every head of a layer (or every layer): its score over them ranks it."""
     g = torch.Generator().manual_seed(1)
     layers, heads, n, ratio = 3, 2, 40, 0.3
-    scores = [torch.randn(heads, n, generator=g) for _ in range(layers)]
+    scores = [torch.randn(heads, n, generator=g, dtype=torch.float64) for _ in range(layers)]
     scores[1][0, 5] = float("inf")  # protected in one head of one layer
-    kept = keep_topk(scores, ratio, scope)
+    kept = keep_topk(scores, ratio, scope, reduction=reduction)
     groups = [[i] for i in range(layers)] if scope == "token_layer" else [list(range(layers))]
-    for group in groups:
-        best = {p: max(float(scores[i][h, p]) for i in group for h in range(heads)) for p in range(n)}
+    for group in groups:  # the layers of a group meet by their best reduced score
+        best = {p: max(reduced_by_hand(scores[i], p, reduction) for i in group) for p in range(n)}
         top = sorted(range(n), key=lambda p: -best[p])[: round(ratio * n)]
         expected = sorted(set(top) | {p for p in range(n) if best[p] == float("inf")})
         for i in group:
-            assert all(k.tolist() == expected for k in kept[i]), (scope, i)
+            assert all(torch.equal(k, kept[i][0]) for k in kept[i]), (scope, i)  # one decision for every head
+            # the same positions, up to ties at the cut (a rank reduction ties positions across heads)
+            assert sorted(best[p] for p in kept[i][0].tolist()) == sorted(best[p] for p in expected), (scope, i)
     with pytest.raises(ValueError, match="as many positions"):
-        keep_topk([scores[0], scores[1][:, :30]], ratio, "token_model")
+        keep_topk([scores[0], scores[1][:, :30]], ratio, "token_model", reduction=reduction)
+
+
+def test_position_scores_reduce_over_the_heads_as_a_brute_force_does() -> None:
+    torch.manual_seed(0)
+    s = torch.randn(3, 12, dtype=torch.float64)
+    s[1, -2:] = float("inf")  # protected in one head
+    for reduction in REDUCTIONS:
+        want = torch.tensor([reduced_by_hand(s, p, reduction) for p in range(12)], dtype=torch.float64)
+        assert torch.allclose(position_scores(s, reduction), want), reduction
+    with pytest.raises(ValueError, match="needs a token scope"):
+        keep_topk([s], 0.5, "head", reduction="rank")
 
 
 @pytest.mark.parametrize("scope", ["head", "layer", "global", "token_layer"])
@@ -214,6 +240,21 @@ def test_cache_from_scores_threshold_and_window(session, prompt) -> None:
     assert cache.ragged[2].head_positions(0).tolist() == [*range(10), *range(n - 5, n)]
 
 
+@pytest.mark.parametrize("scope", ["token_layer", "token_model"])
+def test_kvzap_token_scopes_select_its_scores_by_the_reduction(session, prompt, tmp_path, scope) -> None:
+    adapter = session.adapter
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "linear")
+    budget = {"threshold": None, "keep_ratio": 0.3, "scope": scope, "reduction": "rank"}
+    method = KVzap(surrogate=surrogate, window=8, sinks=2, **budget)
+    cache = method.compress(session, prompt)
+    _, scores = method.scores(session, prompt.context_ids)
+    expected = keep_topk(protect_window(scores, 8, 2), 0.3, scope, reduction="rank")
+    for layer, heads in zip(cache.ragged, expected, strict=True):
+        assert [layer.head_positions(h).tolist() for h in range(len(heads))] == [k.tolist() for k in heads]
+    by_max = keep_topk(protect_window(scores, 8, 2), 0.3, scope)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(expected, by_max, strict=True))  # the reduction mattered
+
+
 def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:
     adapter = session.adapter
     surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "linear")
@@ -277,6 +318,8 @@ def test_kvzap_keep_ratio_zero_still_keeps_the_window(session, prompt, tmp_path)
         ("full", ["keep_ratio=0.5"], r"method=full keeps every entry"),
         ("kvpress_kvzap", ["keep_ratio=0.5"], r"takes no compression ratio"),
         ("kvzap_linear", ["scope=layers", "keep_ratio=0.3"], r"scope must be one of"),
+        ("kvzap_mlp", ["keep_ratio=0.3", "reduction=rank"], r"needs a token scope"),
+        ("kvzip_plus", ["scope=token_layer", "reduction=median"], r"reduction must be one of"),
     ],
 )
 def test_bad_method_options_fail_when_built_with_one_paragraph(name, overrides, message, tiny, tmp_path) -> None:

@@ -150,17 +150,24 @@ def test_sinks_keep_the_first_positions_and_the_scorers_best_others(bench, wrapp
             assert sum(len(k) for k in kept) == len(kept) * int(n * 0.25)
 
 
-def test_token_layer_evicts_a_position_from_every_head_of_a_layer(bench) -> None:
+@pytest.mark.parametrize("reduction", ["max", "rank"])
+def test_token_layer_evicts_a_position_from_every_head_of_a_layer(bench, reduction) -> None:
     session, prompt, _, _ = bench
     scorer, recorded = kvpress.KnormPress(), []
     score = scorer.score
     scorer.score = lambda *a: recorded.append(score(*a).clone()) or recorded[-1].clone()
-    cache = KVPress(name="knorm", press=scorer, keep_ratio=0.25, scope="token_layer").compress(session, prompt)
+    method = KVPress(name="knorm", press=scorer, keep_ratio=0.25, scope="token_layer", reduction=reduction)
+    cache = method.compress(session, prompt)
     n = prompt.context_ids.shape[1]
     for layer, scores in zip(cache.ragged, recorded, strict=True):
-        best = scores[0].double().amax(dim=0)  # (T,) a position's best score over the layer's heads
-        expected = set(best.topk(int(n * 0.25)).indices.tolist())
-        assert all(set(layer.pos[layer.head_rows(h)].tolist()) == expected for h in range(len(layer.caps)))
+        s = scores[0].double()  # (Hkv, T)
+        if reduction == "rank":  # a position's best quantile within a head, by counting
+            s = torch.stack([(row[None, :] < row[:, None]).sum(dim=1) / (n - 1) for row in s])
+        best = s.amax(dim=0)  # (T,) a position's best score over the layer's heads
+        kept = [layer.pos[layer.head_rows(h)].sort().values for h in range(len(layer.caps))]
+        assert all(torch.equal(k, kept[0]) for k in kept)  # one decision for every head of the layer
+        # the best positions, up to ties at the cut (ranks tie across heads)
+        assert torch.equal(best[kept[0]].sort().values, best.topk(int(n * 0.25)).values.sort().values)
 
 
 def test_sinks_and_scopes_need_a_scorer() -> None:
@@ -168,6 +175,8 @@ def test_sinks_and_scopes_need_a_scorer() -> None:
         KVPress(name="think", press=kvpress.ThinKPress(key_channel_compression_ratio=0.5), sinks=4)
     with pytest.raises(KVResearchError, match="every layer"):
         KVPress(name="knorm", press=kvpress.KnormPress(), keep_ratio=0.5, scope="token_model")
+    with pytest.raises(KVResearchError, match="needs a token scope"):
+        KVPress(name="knorm", press=kvpress.KnormPress(), keep_ratio=0.5, reduction="rank")
 
 
 def test_the_docs_table_is_the_catalog() -> None:

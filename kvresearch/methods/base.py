@@ -27,7 +27,7 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Prefill, Session
-from kvresearch.ops.selection import SCOPES, keep_threshold, keep_topk_visible, protect_window
+from kvresearch.ops.selection import REDUCTIONS, SCOPES, keep_threshold, keep_topk_visible, protect_window
 from kvresearch.prompts import Prompt
 
 
@@ -181,6 +181,7 @@ def cache_from_scores(
     scope: str = "head",
     window: int = 0,
     sinks: int = 0,
+    reduction: str = "max",
 ) -> RaggedCache:
     """Keep entries by threshold or by a keep_ratio budget; the last ``window`` and first ``sinks`` always stay.
 
@@ -193,18 +194,35 @@ def cache_from_scores(
         scope: where the keep_ratio budget applies.
         window: most recent entries always kept.
         sinks: first entries always kept.
+        reduction: how the token scopes score a position over its heads (``ops.selection.REDUCTIONS``).
     """
     if (threshold is None) == (keep_ratio is None):
         raise ValueError("give exactly one of threshold and keep_ratio")
-    if scope not in SCOPES:
-        raise KVResearchError(f"scope must be one of {SCOPES}, got {scope!r}.")
+    check_scope("cache_from_scores", scope, reduction)
     protected = protect_window(scores, window, sinks)
     if threshold is not None:
         keep = keep_threshold(protected, threshold)
     else:
         windows = prefill.windows or [None] * len(scores)  # a sliding layer's budget is its window's share
-        keep = keep_topk_visible(protected, float(keep_ratio), scope, windows)  # type: ignore[arg-type]
+        keep = keep_topk_visible(protected, float(keep_ratio), scope, windows, reduction)  # type: ignore[arg-type]
     return prefill.ragged(keep)
+
+
+def check_scope(name: str, scope: str, reduction: str = "max", scopes: tuple[str, ...] = SCOPES) -> None:
+    """Refuse an unknown ``scope`` or ``reduction``, and a reduction other than ``max`` outside the token scopes.
+
+    Raises:
+        KVResearchError: what is wrong, with the values that are allowed.
+    """
+    if scope not in scopes:
+        raise KVResearchError(f"method {name}: scope must be one of {scopes}, got {scope!r}.")
+    if reduction not in REDUCTIONS:
+        raise KVResearchError(f"method {name}: reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+    if reduction != "max" and not scope.startswith("token_"):
+        raise KVResearchError(
+            f"method {name}: reduction={reduction} scores a position shared by several heads, so it needs a token "
+            f"scope (token_layer or token_model), not scope={scope}; set method.reduction=max or a token scope."
+        )
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from kvresearch.errors import KVResearchError
-from kvresearch.methods.base import Method
+from kvresearch.methods.base import Method, check_scope
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.presses import decoding_press, press_prefill
 from kvresearch.models.session import Session
@@ -24,7 +24,8 @@ class KVPress(Method):
     """Any kvpress press (built by Hydra from its config) as a method.
 
     ``sinks``: keep the first ``sinks`` positions of the context in every head, whatever the press's scores;
-    ``scope=token_layer``: evict a position from every head of a layer or from none (``models/press_scoring.py``).
+    ``scope=token_layer``: evict a position from every head of a layer or from none (``models/press_scoring.py``),
+    ranked by its score ``reduction`` over the layer's heads.
     ``sinks=0`` and ``scope=head`` leave the press as kvpress wrote it.
     """
 
@@ -33,6 +34,7 @@ class KVPress(Method):
     attn_implementation: str | None = None  # e.g. "eager" for presses that read attention weights
     sinks: int = 0
     scope: str = "head"
+    reduction: str = "max"  # with scope=token_layer: ops.selection.REDUCTIONS
     decoding_fields = ("interval", "target_size")  # kvpress's DecodingPress around the press while generating
 
     def __post_init__(self) -> None:
@@ -40,9 +42,10 @@ class KVPress(Method):
         super().__post_init__()
         if self.sinks < 0:
             raise KVResearchError(f"method {self.name}: sinks must be 0 or more, got {self.sinks}.")
-        from kvresearch.models.press_scoring import rescored
+        from kvresearch.models.press_scoring import PRESS_SCOPES, rescored
 
-        self.press = rescored(self.press, self.sinks, self.scope)
+        self.press = rescored(self.press, self.sinks, self.scope, self.reduction)  # refuses a scope it cannot keep
+        check_scope(self.name, self.scope, self.reduction, PRESS_SCOPES)
         if self.decoding is not None:
             self._decoding_press()  # refused now, not after the prefill, if the press cannot decode
         if self.keep_ratio is None:

@@ -40,13 +40,12 @@ from typing import Any
 import torch
 
 from kvresearch.errors import KVResearchError
-from kvresearch.methods.base import Method, cache_from_scores
+from kvresearch.methods.base import Method, cache_from_scores, check_scope
 from kvresearch.models.adapter import ModelAdapter
 from kvresearch.models.cache import RaggedCache, RaggedLayer
 from kvresearch.models.hooks import after_attention, attention_inputs, model_calls
 from kvresearch.models.session import Prefill, Session
 from kvresearch.ops.calibration import Calibration, calibrate_threshold
-from kvresearch.ops.selection import SCOPES
 from kvresearch.prompts import Prompt
 from kvresearch.surrogate.context import count_rates, with_context
 from kvresearch.surrogate.modules import Surrogate
@@ -150,6 +149,7 @@ class KVzap(Method):
     surrogate: Surrogate
     threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
     scope: str = "head"  # for keep_ratio: ops.selection.SCOPES
+    reduction: str = "max"  # how the token scopes score a position over its heads: ops.selection.REDUCTIONS
     window: int = 128
     sinks: int = 0  # the first positions, never evicted
     max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
@@ -163,8 +163,7 @@ class KVzap(Method):
         """Exactly one budget; a known scope; a non-negative window."""
         super().__post_init__()
         self.require_one("threshold")
-        if self.scope not in SCOPES:
-            raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
+        check_scope(self.name, self.scope, self.reduction)
         if self.window < 0 or self.sinks < 0:
             raise KVResearchError(
                 f"method {self.name}: window and sinks must be >= 0, got {self.window} and {self.sinks}."
@@ -280,7 +279,13 @@ class KVzap(Method):
             return cache
         prefill, scores = self.scores(session, prompt.context_ids)
         return cache_from_scores(
-            prefill, scores, keep_ratio=self.keep_ratio, scope=self.scope, window=self.window, sinks=self.sinks
+            prefill,
+            scores,
+            keep_ratio=self.keep_ratio,
+            scope=self.scope,
+            window=self.window,
+            sinks=self.sinks,
+            reduction=self.reduction,
         )
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:

@@ -14,12 +14,10 @@ from typing import Any
 import torch
 
 from kvresearch.capture import chunked_oracle_scores
-from kvresearch.errors import KVResearchError
-from kvresearch.methods.base import Method, cache_from_scores
+from kvresearch.methods.base import Method, cache_from_scores, check_scope
 from kvresearch.methods.decoding import recompressing, remember_prompt
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Session
-from kvresearch.ops.selection import SCOPES
 from kvresearch.prompts import Prompt
 
 
@@ -31,6 +29,7 @@ class KVzip(Method):
     plus: bool = True
     threshold: float | None = None
     scope: str = "global"  # for keep_ratio: ops.selection.SCOPES
+    reduction: str = "max"  # how the token scopes score a position over its heads: ops.selection.REDUCTIONS
     chunk_size: int = 2048
     window: int = 0  # most recent tokens always kept
     decoding_fields = ("interval", "target_size", "protect")  # re-compression while generating (methods/decoding.py)
@@ -39,8 +38,7 @@ class KVzip(Method):
         """Exactly one budget and a known scope."""
         super().__post_init__()
         self.require_one("threshold")
-        if self.scope not in SCOPES:
-            raise KVResearchError(f"method {self.name}: scope must be one of {SCOPES}, got {self.scope!r}.")
+        check_scope(self.name, self.scope, self.reduction)
 
     def budget(self) -> str:
         """``tau=<threshold>`` in threshold mode, else the keep ratio."""
@@ -67,7 +65,9 @@ class KVzip(Method):
             s = raw[f"{i}"].clamp_min(1e-30).log()  # (Hkv, C)
             sinks = torch.full((s.shape[0], prompt.head_len), float("inf"))
             scores.append(torch.cat([sinks, s], dim=1))
-        cache = cache_from_scores(prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window)
+        cache = cache_from_scores(
+            prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window, reduction=self.reduction
+        )
         remember_prompt(cache, prompt)
         return cache
 

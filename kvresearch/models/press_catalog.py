@@ -133,15 +133,16 @@ CATALOG: tuple[Entry, ...] = (
         "FinchPress",
         "kvpress_finch",
         {"_target_": f"{FILES}.WindowFinchPress", "window": 64},
-        "keeps fewer pairs, keys re-rotated to 0..m-1: positions found by the values; the window is the last "
-        "window tokens instead of a delimiter token",
+        "keeps fewer pairs, keys re-rotated to 0..m-1 in position order, moved as kvpress left them; the window "
+        "is the last window tokens instead of a delimiter token",
     ),
     Entry("KeyDiffPress", "kvpress_keydiff", {"_target_": "kvpress.KeyDiffPress"}, GATHER),
     Entry(
         "KeyRerotationPress",
         "kvpress_key_rerotation",
         _wrap("KeyRerotationPress"),
-        "keeps fewer pairs, keys re-rotated to 0..m-1: positions found by the values, new tokens continue at m",
+        "keeps fewer pairs, keys re-rotated to 0..m-1 in position order, moved as kvpress left them; new tokens "
+        "continue at m",
     ),
     Entry("KnormPress", "knorm", {}, GATHER, written=True),
     Entry(
@@ -260,6 +261,7 @@ def yaml_text(entry: Entry) -> str:
     body["keep_ratio"] = entry.keep_ratio
     body["sinks"] = 0  # first positions kept in every head whatever the scores (scorer presses and their wrappers)
     body["scope"] = "head"
+    body["reduction"] = "max"
     if entry.attn_implementation:
         body["attn_implementation"] = entry.attn_implementation
     body["press"] = entry.press

@@ -2,8 +2,9 @@
 
 ``ScoredPress`` wraps any kvpress ``ScorerPress``: it asks the inner press for its scores (b, Hkv, T), then
 
-* ``token_layer``: gives every KV head the position's best score over the layer's heads, so each head keeps the
-  same positions (the eviction a paged engine can hold; docs/serving.md);
+* ``token_layer``: gives every KV head the position's score reduced over the layer's heads (its best score, or
+  ``ops.selection.position_scores``'s other reductions), so each head keeps the same positions (the eviction a
+  paged engine can hold; docs/serving.md);
 * ``sinks``: scores the first ``sinks`` positions above every other pair (kvpress's KVzip rule), so they stay.
 
 kvpress then selects as it always does (its top-k per head, or a wrapper's own rule: AdaKV, Chunk, DMS, ...).
@@ -16,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from kvpress import ScorerPress
 
 from kvresearch.errors import KVResearchError
+from kvresearch.ops.selection import position_scores
 
 PRESS_SCOPES = ("head", "token_layer")
 
@@ -30,6 +33,7 @@ class ScoredPress(ScorerPress):
     press: Any = None
     sinks: int = 0
     token_layer: bool = False
+    reduction: str = "max"  # with token_layer: ops.selection.REDUCTIONS
 
     def post_init_from_model(self, model: Any) -> None:
         """The inner press's own set-up."""
@@ -39,13 +43,14 @@ class ScoredPress(ScorerPress):
         """(b, Hkv, T) the inner scores, reshaped (see the module docstring)."""
         scores = self.press.score(module, hidden, keys, values, attentions, kwargs)
         if self.token_layer:
-            scores = scores.amax(dim=1, keepdim=True).expand_as(scores).contiguous()
+            shared = torch.stack([position_scores(s, self.reduction) for s in scores])  # (b, T)
+            scores = shared[:, None].to(scores.dtype).expand_as(scores).contiguous()
         if self.sinks:
             scores[..., : self.sinks] = scores.amax() + 1.0
         return scores
 
 
-def rescored(press: Any, sinks: int, scope: str) -> Any:
+def rescored(press: Any, sinks: int, scope: str, reduction: str = "max") -> Any:
     """``press`` with its scorer wrapped in :class:`ScoredPress` (a wrapper's inner scorer, if it is a wrapper).
 
     Raises:
@@ -57,10 +62,11 @@ def rescored(press: Any, sinks: int, scope: str) -> Any:
     if sinks == 0 and scope == "head":
         return press
     if isinstance(press, ScorerPress):
-        return ScoredPress(press.compression_ratio, press=press, sinks=sinks, token_layer=scope == "token_layer")
+        layer = scope == "token_layer"
+        return ScoredPress(press.compression_ratio, press=press, sinks=sinks, token_layer=layer, reduction=reduction)
     for field in ("press", "base_press"):
         if isinstance(getattr(press, field, None), ScorerPress):
-            setattr(press, field, rescored(getattr(press, field), sinks, scope))
+            setattr(press, field, rescored(getattr(press, field), sinks, scope, reduction))
             return press
     raise KVResearchError(
         f"{type(press).__name__} has no scorer press whose scores could keep sinks or decide per position (it "

@@ -12,8 +12,11 @@ compete for them, and each head first keeps its top ``safeguard`` share of ``n_k
 
 The token scopes are what serving engines can hold: a position is kept or evicted in every head of a layer at
 once (``token_layer``: paged engines, whose pages span all heads) or in every layer (``token_model``:
-llama.cpp). A position scores the maximum over the heads (and layers) that share the decision, so it stays
-when any of them needs it; each layer (or the model) keeps round(r x positions) positions.
+llama.cpp). A position scores one value reduced over the heads that share the decision (:func:`position_scores`):
+by default their maximum, so it stays when any of them needs it; or their mean; or its best quantile within a
+head (``rank``), so that a head whose scores run higher than the others' does not decide every position. Under
+``token_model`` the layers' reduced scores meet by their maximum. Each layer (or the model) keeps round(r x
+positions) positions.
 
 On a model with sliding-window layers (Gemma-3), :func:`keep_topk_visible` budgets each sliding layer over the
 entries its window still shows, so every method is compared at the memory it really holds.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 SCOPES = ("head", "layer", "global", "adakv", "token_layer", "token_model")
+REDUCTIONS = ("max", "mean", "rank")  # over the heads that keep or evict a position together (the token scopes)
 ADAKV_SAFEGUARD = 0.2  # kvpress AdaKVPress.alpha_safeguard
 
 
@@ -40,14 +44,42 @@ def protect_window(scores: list[torch.Tensor], window: int, sinks: int = 0) -> l
     return out
 
 
+def position_scores(scores: torch.Tensor, reduction: str = "max") -> torch.Tensor:
+    """One score per position (n,) of a layer's ``scores`` (kv_heads, n), reduced over the heads.
+
+    ``max``: the best score; ``mean``: the mean score; ``rank``: the best quantile within a head (each head's
+    scores replaced by rank / (n - 1)). A position protected in any head (+inf: the window, the sinks) stays +inf.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    inf = torch.isposinf(scores)
+    if reduction == "max":
+        one = scores.amax(dim=0)
+    elif reduction == "mean":
+        one = scores.masked_fill(inf, 0.0).mean(dim=0)
+    else:
+        ranks = scores.argsort(dim=1).argsort(dim=1).to(scores.dtype)
+        one = (ranks / max(1, scores.shape[1] - 1)).amax(dim=0)
+    return one.masked_fill(inf.any(dim=0), float("inf"))
+
+
 def keep_topk(
-    scores: list[torch.Tensor], keep_ratio: float, scope: str = "head", safeguard: float = ADAKV_SAFEGUARD
+    scores: list[torch.Tensor],
+    keep_ratio: float,
+    scope: str = "head",
+    safeguard: float = ADAKV_SAFEGUARD,
+    reduction: str = "max",
 ) -> list[list[torch.Tensor]]:
-    """Indices kept per layer and head under a ``keep_ratio`` budget over ``scope`` (see module docstring)."""
+    """Indices kept per layer and head under a ``keep_ratio`` budget over ``scope`` (see module docstring).
+
+    ``reduction`` (:data:`REDUCTIONS`) is how the token scopes score a position; the other scopes take ``max``.
+    """
     if not 0.0 <= keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must lie in [0, 1], got {keep_ratio}")
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if reduction not in REDUCTIONS or (reduction != "max" and not scope.startswith("token_")):
+        raise ValueError(f"reduction {reduction!r} needs a token scope and one of {REDUCTIONS} (scope {scope!r})")
     if scope == "head":
         masks = []
         for s in scores:
@@ -60,13 +92,13 @@ def keep_topk(
     elif scope == "adakv":
         masks = [_adakv_mask(s, keep_ratio, safeguard) for s in scores]
     elif scope == "token_layer":
-        masks = [_top_mask(s.amax(dim=0), round(keep_ratio * s.shape[1])).expand_as(s) for s in scores]
+        masks = [_top_mask(position_scores(s, reduction), round(keep_ratio * s.shape[1])).expand_as(s) for s in scores]
     elif scope == "token_model":
         if len({s.shape[1] for s in scores}) > 1:
             raise ValueError(
                 f"scope token_model needs as many positions in every layer, got {[s.shape[1] for s in scores]}"
             )
-        best = torch.stack([s.amax(dim=0) for s in scores]).amax(dim=0)  # (n,)
+        best = torch.stack([position_scores(s, reduction) for s in scores]).amax(dim=0)  # (n,)
         kept_positions = _top_mask(best, round(keep_ratio * best.numel()))
         masks = [kept_positions.expand_as(s) for s in scores]
     else:
@@ -87,7 +119,7 @@ def keep_topk(
 
 
 def keep_topk_visible(
-    scores: list[torch.Tensor], keep_ratio: float, scope: str, windows: list[int | None]
+    scores: list[torch.Tensor], keep_ratio: float, scope: str, windows: list[int | None], reduction: str = "max"
 ) -> list[list[torch.Tensor]]:
     """:func:`keep_topk` over what the next query can see: a sliding layer (window W) keeps a share of its last W - 1.
 
@@ -101,7 +133,8 @@ def keep_topk_visible(
             "scope token_model keeps the same positions in every layer, but the sliding-window layers of this model "
             "show fewer positions than its global layers: use token_layer (or head) on it."
         )
-    kept = keep_topk([s[:, a:] for s, a in zip(scores, starts, strict=True)], keep_ratio, scope)
+    visible = [s[:, a:] for s, a in zip(scores, starts, strict=True)]
+    kept = keep_topk(visible, keep_ratio, scope, reduction=reduction)
     return [[rows + a for rows in layer] for layer, a in zip(kept, starts, strict=True)]
 
 

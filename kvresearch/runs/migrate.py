@@ -24,7 +24,11 @@ from typing import Any
 
 RENAMES = ("kvzap-calibrate", "am-groups", "decoding-type")
 # method class (suffix of _target_) -> option -> the value that computes what runs made before it computed
-ADDED: dict[str, dict[str, Any]] = {".KVzap": {"sinks": 0}, ".KVPress": {"sinks": 0, "scope": "head"}}
+ADDED: dict[str, dict[str, Any]] = {
+    ".KVzap": {"sinks": 0, "reduction": "max"},
+    ".KVPress": {"sinks": 0, "scope": "head", "reduction": "max"},
+    ".KVzip": {"reduction": "max"},
+}
 AM_GROUPS = {  # old flat option -> (group, new name)
     "queries": ("queries", "sources"),
     "self_study": ("queries", "self_study"),

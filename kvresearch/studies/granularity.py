@@ -15,9 +15,10 @@ For each context (the embedded model; KVzap-MLP of ``paths.surrogate_mlp`` with 
   ``global`` it shows how unevenly one budget over the model spreads over the heads; ``head`` and the token
   scopes keep the same count in every head.
 
-The token scopes rank a position by one score shared by the heads that keep or evict it together. The selection
-of the methods takes its best score over them (``max``); ``--reductions`` adds other reductions, as scopes named
-``token_layer/mean`` and so on (:func:`shared_scores`), to compare them before spending generation on them.
+The token scopes rank a position by one score shared by the heads that keep or evict it together; the methods
+take the best one (``reduction: max``) unless told otherwise. ``--reductions`` adds other reductions, as scopes
+named ``token_layer/mean`` and so on (``ops.selection.position_scores``), to compare them before spending
+generation on them.
 
 No generation: it explains the ``granularity`` experiment's scores (docs/serving.md), it does not replace them.
 """
@@ -36,7 +37,7 @@ from kvresearch.bench.eval import config
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.ops.selection import keep_topk_visible, protect_window
+from kvresearch.ops.selection import REDUCTIONS, keep_topk_visible, protect_window
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, write_json
 
@@ -64,32 +65,6 @@ def scope_summary(kept: list[list[torch.Tensor]], needle: list[int], n: int) -> 
     }
 
 
-REDUCTIONS = ("max", "mean", "rank")
-
-
-def shared_scores(scores: list[torch.Tensor], reduction: str) -> list[torch.Tensor]:
-    """Each layer's scores (kv_heads, n) with one score per position, reduced over the heads, in every head.
-
-    ``max``: the position's best score (what ``ops/selection.py`` ranks the token scopes by); ``mean``: its mean
-    score; ``rank``: its best quantile within a head (each head's scores replaced by rank / (n - 1), so that a head
-    whose scores run higher than the others' does not decide every position). An entry protected in a head (+inf:
-    the window, the sinks) stays protected in every head.
-    """
-    if reduction not in REDUCTIONS:
-        raise KVResearchError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
-    out = []
-    for s in scores:
-        inf = torch.isposinf(s)
-        if reduction == "max":
-            one = s.amax(dim=0)
-        elif reduction == "mean":
-            one = s.masked_fill(inf, 0.0).mean(dim=0)
-        else:
-            one = (s.argsort(dim=1).argsort(dim=1).to(s.dtype) / max(1, s.shape[1] - 1)).amax(dim=0)
-        out.append(one.masked_fill(inf.any(dim=0), float("inf")).expand_as(s))
-    return out
-
-
 def selections(
     scores: list[torch.Tensor], keep: float, scopes: list[str], reductions: list[str], windows: list[int | None]
 ) -> dict[str, list[list[torch.Tensor]]]:
@@ -97,7 +72,7 @@ def selections(
     kept = {scope: keep_topk_visible(scores, keep, scope, windows) for scope in scopes}
     for scope in (s for s in scopes if s.startswith("token_")):
         for reduction in (r for r in reductions if r != "max"):
-            kept[f"{scope}/{reduction}"] = keep_topk_visible(shared_scores(scores, reduction), keep, scope, windows)
+            kept[f"{scope}/{reduction}"] = keep_topk_visible(scores, keep, scope, windows, reduction)
     return kept
 
 
