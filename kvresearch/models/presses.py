@@ -137,13 +137,14 @@ def press_prefill(
 
     clear_masks(session.adapter)
     late = type(press).__call__ is not BasePress.__call__  # its layers move after the prefill, not as it runs
-    hashed = late and not rerotates(press)  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
+    rerotated = rerotates(press)  # its pairs need no position: nothing is held before it
+    hashed = late and not rerotated  # hold row hashes (Hkv, T) of every layer, not copies of its pairs
 
     def record(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Note the context's pairs before the press: copies (Hkv, T, d), hashes (Hkv, T), or none (re-rotation)."""
         if layer not in originals:
             k, v = k[0].detach(), v[0].detach()
-            if rerotates(press):
+            if rerotated:
                 originals[layer] = (None, None)
             else:
                 originals[layer] = (_head_hashes(k), _head_hashes(v)) if hashed else (k.clone(), v.clone())
