@@ -41,3 +41,12 @@ def test_rank_is_blind_to_a_head_whose_scores_run_higher_and_max_is_not() -> Non
     by_head0 = scores[0][0].topk(5).indices.sort().values.tolist()
     assert kept(shifted, "max")["token_layer"][0][1].tolist() == by_head0  # head 0 decides every position
     assert set(kept(shifted, "rank")) == {"token_layer", "token_layer/rank"}
+
+
+def test_pages_add_a_scope_per_token_scope_and_page_size() -> None:
+    torch.manual_seed(2)
+    scores = [torch.randn(2, 20) for _ in range(2)]
+    kept = selections(scores, 0.25, ["head", "token_layer", "token_model"], ["max"], [None, None], (1, 4))
+    assert set(kept) == {"head", "token_layer", "token_model", "token_layer/page4", "token_model/page4"}
+    paged = kept["token_model/page4"][0][0].tolist()
+    assert len(paged) == 8 and {p // 4 for p in paged} == {paged[0] // 4, paged[4] // 4}  # two whole pages

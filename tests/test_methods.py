@@ -150,6 +150,56 @@ def test_token_scopes_equal_a_brute_force_over_positions(scope, reduction) -> No
         keep_topk([scores[0], scores[1][:, :30]], ratio, "token_model", reduction=reduction)
 
 
+def pages_by_hand(best: dict[int, float], n: int, size: int, k: int) -> list[int]:
+    """Whole pages of ``size`` positions, best page (its best position; the earlier on ties) first, until >= k."""
+    pages = [list(range(a, min(n, a + size))) for a in range(0, n, size)]
+    ranked = sorted(range(len(pages)), key=lambda i: (-max(best[p] for p in pages[i]), i))
+    kept: list[int] = []
+    for i in ranked:
+        if len(kept) >= k:
+            break
+        kept += pages[i]
+    return sorted(kept)
+
+
+@pytest.mark.parametrize("size", [1, 4, 7])
+@pytest.mark.parametrize("scope", ["token_layer", "token_model"])
+def test_token_scopes_with_pages_keep_whole_pages_as_a_brute_force_does(scope, size) -> None:
+    """A page (positions [iP, (i+1)P), the last one shorter) scores its best position; the best pages fill k."""
+    g = torch.Generator().manual_seed(3)
+    layers, heads, n, ratio = 3, 2, 40, 0.3  # 40 positions: the last page of 7 holds 5
+    scores = [torch.randn(heads, n, generator=g, dtype=torch.float64) for _ in range(layers)]
+    scores[1][0, 22] = float("inf")  # protected: its page is kept whole
+    kept = keep_topk(scores, ratio, scope, page_size=size)
+    groups = [[i] for i in range(layers)] if scope == "token_layer" else [list(range(layers))]
+    for group in groups:
+        best = {p: max(float(scores[i][:, p].max()) for i in group) for p in range(n)}
+        expected = pages_by_hand(best, n, size, round(ratio * n))
+        for i in group:
+            assert [k.tolist() for k in kept[i]] == [expected] * heads, (scope, size, i)
+    if size == 1:
+        assert [[k.tolist() for k in layer] for layer in kept] == [
+            [k.tolist() for k in layer] for layer in keep_topk(scores, ratio, scope)
+        ]
+    else:
+        assert all(22 in layer[0].tolist() and (22 // size) * size in layer[0].tolist() for layer in kept[1:2])
+    with pytest.raises(ValueError, match="page_size"):
+        keep_topk(scores, ratio, "head", page_size=size + 1)
+    with pytest.raises(ValueError, match="page_size"):
+        keep_topk(scores, ratio, scope, page_size=0)
+
+
+def test_a_sliding_layer_with_pages_holds_the_page_its_window_starts_in() -> None:
+    g = torch.Generator().manual_seed(4)
+    windows, n, size = [None, 9], 24, 5  # the window shows positions 16..23; their first page starts at 15
+    scores = [torch.randn(2, n, generator=g) for _ in windows]
+    kept = keep_topk_visible(scores, 0.5, "token_layer", windows, page_size=size)
+    expected = keep_topk([scores[0], scores[1][:, 15:]], 0.5, "token_layer", page_size=size)
+    assert [k.tolist() for k in kept[0]] == [k.tolist() for k in expected[0]]
+    assert [k.tolist() for k in kept[1]] == [(k + 15).tolist() for k in expected[1]]
+    assert all(int(k.min()) >= 15 for k in kept[1])
+
+
 def test_position_scores_reduce_over_the_heads_as_a_brute_force_does() -> None:
     torch.manual_seed(0)
     s = torch.randn(3, 12, dtype=torch.float64)
@@ -253,6 +303,29 @@ def test_kvzap_token_scopes_select_its_scores_by_the_reduction(session, prompt, 
         assert [layer.head_positions(h).tolist() for h in range(len(heads))] == [k.tolist() for k in heads]
     by_max = keep_topk(protect_window(scores, 8, 2), 0.3, scope)
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(expected, by_max, strict=True))  # the reduction mattered
+
+
+def test_kvzap_and_kvzip_with_pages_keep_whole_pages(session, prompt, tmp_path) -> None:
+    adapter = session.adapter
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads, "linear")
+    method = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.3, scope="token_model", page_size=8, window=8)
+    cache = method.compress(session, prompt)
+    _, scores = method.scores(session, prompt.context_ids)
+    expected = keep_topk(protect_window(scores, 8, method.sinks), 0.3, "token_model", page_size=8)
+    n = prompt.context_ids.shape[1]
+    for layer, heads in zip(cache.ragged, expected, strict=True):
+        kept = [layer.head_positions(h).tolist() for h in range(len(heads))]
+        assert kept == [k.tolist() for k in heads]
+        pages = {p // 8 for p in kept[0]}
+        assert kept[0] == [p for p in range(n) if p // 8 in pages]  # whole pages only (the last may be short)
+    zip_cache = KVzip(keep_ratio=0.4, scope="token_layer", page_size=8, chunk_size=64).compress(session, prompt)
+    for layer in zip_cache.ragged:
+        pages = {p // 8 for p in layer.head_positions(0).tolist()}
+        assert layer.head_positions(1).tolist() == [p for p in range(n) if p // 8 in pages]
+    with pytest.raises(KVResearchError, match="needs scope token_layer or token_model"):
+        KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.3, scope="head", page_size=16)
+    with pytest.raises(KVResearchError, match="page_size must be a whole number"):
+        KVzip(keep_ratio=0.3, scope="token_layer", page_size=0)
 
 
 def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:

@@ -27,7 +27,14 @@ import torch
 from kvresearch.errors import KVResearchError
 from kvresearch.models.cache import RaggedCache
 from kvresearch.models.session import Prefill, Session
-from kvresearch.ops.selection import REDUCTIONS, SCOPES, keep_threshold, keep_topk_visible, protect_window
+from kvresearch.ops.selection import (
+    PAGED_SCOPES,
+    REDUCTIONS,
+    SCOPES,
+    keep_threshold,
+    keep_topk_visible,
+    protect_window,
+)
 from kvresearch.prompts import Prompt
 
 
@@ -182,6 +189,7 @@ def cache_from_scores(
     window: int = 0,
     sinks: int = 0,
     reduction: str = "max",
+    page_size: int = 1,
 ) -> RaggedCache:
     """Keep entries by threshold or by a keep_ratio budget; the last ``window`` and first ``sinks`` always stay.
 
@@ -195,21 +203,24 @@ def cache_from_scores(
         window: most recent entries always kept.
         sinks: first entries always kept.
         reduction: how the token scopes score a position over its heads (``ops.selection.REDUCTIONS``).
+        page_size: with a token scope, keep whole pages of this many positions (a paged engine's blocks).
     """
     if (threshold is None) == (keep_ratio is None):
         raise ValueError("give exactly one of threshold and keep_ratio")
-    check_scope("cache_from_scores", scope, reduction)
+    check_scope("cache_from_scores", scope, reduction, page_size=page_size)
     protected = protect_window(scores, window, sinks)
     if threshold is not None:
         keep = keep_threshold(protected, threshold)
     else:
         windows = prefill.windows or [None] * len(scores)  # a sliding layer's budget is its window's share
-        keep = keep_topk_visible(protected, float(keep_ratio), scope, windows, reduction)  # type: ignore[arg-type]
+        keep = keep_topk_visible(protected, float(keep_ratio), scope, windows, reduction, page_size)  # type: ignore[arg-type]
     return prefill.ragged(keep)
 
 
-def check_scope(name: str, scope: str, reduction: str = "max", scopes: tuple[str, ...] = SCOPES) -> None:
-    """Refuse an unknown ``scope`` or ``reduction``, and a reduction other than ``max`` outside the token scopes.
+def check_scope(
+    name: str, scope: str, reduction: str = "max", scopes: tuple[str, ...] = SCOPES, page_size: int = 1
+) -> None:
+    """Refuse an unknown ``scope`` or ``reduction``, and a reduction or pages outside the token scopes.
 
     Raises:
         KVResearchError: what is wrong, with the values that are allowed.
@@ -222,6 +233,13 @@ def check_scope(name: str, scope: str, reduction: str = "max", scopes: tuple[str
         raise KVResearchError(
             f"method {name}: reduction={reduction} scores a position shared by several heads, so it needs a token "
             f"scope (token_layer or token_model), not scope={scope}; set method.reduction=max or a token scope."
+        )
+    if not isinstance(page_size, int) or page_size < 1:
+        raise KVResearchError(f"method {name}: page_size must be a whole number >= 1, got {page_size!r}.")
+    if page_size > 1 and scope not in PAGED_SCOPES:
+        raise KVResearchError(
+            f"method {name}: page_size={page_size} keeps whole pages of positions shared by several heads, so it "
+            f"needs scope token_layer or token_model, not scope={scope}; set method.page_size=1 or a token scope."
         )
 
 

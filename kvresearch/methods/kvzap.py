@@ -150,6 +150,7 @@ class KVzap(Method):
     threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
     scope: str = "head"  # for keep_ratio: ops.selection.SCOPES
     reduction: str = "max"  # how the token scopes score a position over its heads: ops.selection.REDUCTIONS
+    page_size: int = 1  # with a token scope: keep whole pages of this many positions (vLLM: 16)
     window: int = 128
     sinks: int = 0  # the first positions, never evicted
     max_entries: int | None = None  # memory budget per KV head, prefill and decoding (threshold mode)
@@ -163,7 +164,7 @@ class KVzap(Method):
         """Exactly one budget; a known scope; a non-negative window."""
         super().__post_init__()
         self.require_one("threshold")
-        check_scope(self.name, self.scope, self.reduction)
+        check_scope(self.name, self.scope, self.reduction, page_size=self.page_size)
         if self.window < 0 or self.sinks < 0:
             raise KVResearchError(
                 f"method {self.name}: window and sinks must be >= 0, got {self.window} and {self.sinks}."
@@ -286,6 +287,7 @@ class KVzap(Method):
             window=self.window,
             sinks=self.sinks,
             reduction=self.reduction,
+            page_size=self.page_size,
         )
 
     def decode_context(self, session: Session, cache: RaggedCache) -> AbstractContextManager[Any]:

@@ -30,6 +30,7 @@ class KVzip(Method):
     threshold: float | None = None
     scope: str = "global"  # for keep_ratio: ops.selection.SCOPES
     reduction: str = "max"  # how the token scopes score a position over its heads: ops.selection.REDUCTIONS
+    page_size: int = 1  # with a token scope: keep whole pages of this many positions (vLLM: 16)
     chunk_size: int = 2048
     window: int = 0  # most recent tokens always kept
     decoding_fields = ("interval", "target_size", "protect")  # re-compression while generating (methods/decoding.py)
@@ -38,7 +39,7 @@ class KVzip(Method):
         """Exactly one budget and a known scope."""
         super().__post_init__()
         self.require_one("threshold")
-        check_scope(self.name, self.scope, self.reduction)
+        check_scope(self.name, self.scope, self.reduction, page_size=self.page_size)
 
     def budget(self) -> str:
         """``tau=<threshold>`` in threshold mode, else the keep ratio."""
@@ -66,7 +67,14 @@ class KVzip(Method):
             sinks = torch.full((s.shape[0], prompt.head_len), float("inf"))
             scores.append(torch.cat([sinks, s], dim=1))
         cache = cache_from_scores(
-            prefill, scores, self.threshold, self.keep_ratio, self.scope, self.window, reduction=self.reduction
+            prefill,
+            scores,
+            self.threshold,
+            self.keep_ratio,
+            self.scope,
+            self.window,
+            reduction=self.reduction,
+            page_size=self.page_size,
         )
         remember_prompt(cache, prompt)
         return cache

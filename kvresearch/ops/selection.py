@@ -18,6 +18,10 @@ head (``rank``), so that a head whose scores run higher than the others' does no
 ``token_model`` the layers' reduced scores meet by their maximum. Each layer (or the model) keeps round(r x
 positions) positions.
 
+``page_size`` P > 1 makes the token scopes keep whole pages, as a paged engine frees them (vLLM's blocks of 16):
+page i holds positions [iP, (i + 1)P) (the last one may be shorter), scores the best of its positions, and the
+best pages are kept until they hold at least round(r x positions) positions (so a kept page is never split).
+
 On a model with sliding-window layers (Gemma-3), :func:`keep_topk_visible` budgets each sliding layer over the
 entries its window still shows, so every method is compared at the memory it really holds.
 """
@@ -28,6 +32,7 @@ import torch
 
 SCOPES = ("head", "layer", "global", "adakv", "token_layer", "token_model")
 REDUCTIONS = ("max", "mean", "rank")  # over the heads that keep or evict a position together (the token scopes)
+PAGED_SCOPES = ("token_layer", "token_model")  # the scopes that take a page_size above 1
 ADAKV_SAFEGUARD = 0.2  # kvpress AdaKVPress.alpha_safeguard
 
 
@@ -69,10 +74,12 @@ def keep_topk(
     scope: str = "head",
     safeguard: float = ADAKV_SAFEGUARD,
     reduction: str = "max",
+    page_size: int = 1,
 ) -> list[list[torch.Tensor]]:
     """Indices kept per layer and head under a ``keep_ratio`` budget over ``scope`` (see module docstring).
 
     ``reduction`` (:data:`REDUCTIONS`) is how the token scopes score a position; the other scopes take ``max``.
+    ``page_size`` (token scopes only) keeps whole pages of that many positions.
     """
     if not 0.0 <= keep_ratio <= 1.0:
         raise ValueError(f"keep_ratio must lie in [0, 1], got {keep_ratio}")
@@ -80,6 +87,8 @@ def keep_topk(
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     if reduction not in REDUCTIONS or (reduction != "max" and not scope.startswith("token_")):
         raise ValueError(f"reduction {reduction!r} needs a token scope and one of {REDUCTIONS} (scope {scope!r})")
+    if page_size < 1 or (page_size > 1 and scope not in PAGED_SCOPES):
+        raise ValueError(f"page_size {page_size} must be 1, or above 1 with a scope in {PAGED_SCOPES} ({scope!r})")
     if scope == "head":
         masks = []
         for s in scores:
@@ -92,14 +101,17 @@ def keep_topk(
     elif scope == "adakv":
         masks = [_adakv_mask(s, keep_ratio, safeguard) for s in scores]
     elif scope == "token_layer":
-        masks = [_top_mask(position_scores(s, reduction), round(keep_ratio * s.shape[1])).expand_as(s) for s in scores]
+        masks = [
+            _top_pages(position_scores(s, reduction), round(keep_ratio * s.shape[1]), page_size).expand_as(s)
+            for s in scores
+        ]
     elif scope == "token_model":
         if len({s.shape[1] for s in scores}) > 1:
             raise ValueError(
                 f"scope token_model needs as many positions in every layer, got {[s.shape[1] for s in scores]}"
             )
         best = torch.stack([position_scores(s, reduction) for s in scores]).amax(dim=0)  # (n,)
-        kept_positions = _top_mask(best, round(keep_ratio * best.numel()))
+        kept_positions = _top_pages(best, round(keep_ratio * best.numel()), page_size)
         masks = [kept_positions.expand_as(s) for s in scores]
     else:
         flat = torch.cat([s.flatten() for s in scores])
@@ -119,22 +131,29 @@ def keep_topk(
 
 
 def keep_topk_visible(
-    scores: list[torch.Tensor], keep_ratio: float, scope: str, windows: list[int | None], reduction: str = "max"
+    scores: list[torch.Tensor],
+    keep_ratio: float,
+    scope: str,
+    windows: list[int | None],
+    reduction: str = "max",
+    page_size: int = 1,
 ) -> list[list[torch.Tensor]]:
     """:func:`keep_topk` over what the next query can see: a sliding layer (window W) keeps a share of its last W - 1.
 
     The entries before them are out of the window (no later query attends to them), so they are neither kept
     nor part of the budget: the budget of a sliding layer is round(r x min(n, W - 1)), spent on that layer's
-    visible entries. Global layers (window None) are as in :func:`keep_topk`.
+    visible entries. Global layers (window None) are as in :func:`keep_topk`. With pages, a sliding layer also
+    holds the page its window starts in (from the page's first position, as a paged engine does).
     """
     starts = [max(0, s.shape[1] - (w - 1)) if w else 0 for s, w in zip(scores, windows, strict=True)]
+    starts = [a - a % page_size for a in starts]
     if scope == "token_model" and any(starts):
         raise ValueError(
             "scope token_model keeps the same positions in every layer, but the sliding-window layers of this model "
             "show fewer positions than its global layers: use token_layer (or head) on it."
         )
     visible = [s[:, a:] for s, a in zip(scores, starts, strict=True)]
-    kept = keep_topk(visible, keep_ratio, scope, reduction=reduction)
+    kept = keep_topk(visible, keep_ratio, scope, reduction=reduction, page_size=page_size)
     return [[rows + a for rows in layer] for layer, a in zip(kept, starts, strict=True)]
 
 
@@ -154,6 +173,28 @@ def _adakv_mask(scores: torch.Tensor, keep_ratio: float, safeguard: float) -> to
     safe = scores.clone()
     safe.scatter_(1, scores.topk(n_safe, dim=1).indices, torch.finfo(safe.dtype).max)
     return _top_mask(safe, heads * n_kept)
+
+
+def _top_pages(values: torch.Tensor, k: int, page_size: int) -> torch.Tensor:
+    """Kept mask (n,) of the best pages of positions ``values`` (n,) until they hold at least ``k`` positions.
+
+    A page scores its best position; ties go to the earlier page. ``page_size`` 1 is :func:`_top_mask`.
+    """
+    if page_size == 1:
+        return _top_mask(values, k)
+    n = values.numel()
+    pages = -(-n // page_size)
+    padded = values.new_full((pages * page_size,), float("-inf"))
+    padded[:n] = values
+    best = padded.view(pages, page_size).amax(dim=1)  # (pages,)
+    order = best.argsort(descending=True, stable=True)
+    sizes = torch.full((pages,), page_size, device=values.device)
+    sizes[-1] = n - (pages - 1) * page_size
+    held = sizes[order].cumsum(0)
+    taken = int((held < k).sum()) + (1 if k > 0 else 0)  # the pages before the one that reaches k, and that one
+    kept = torch.zeros(pages, dtype=torch.bool, device=values.device)
+    kept[order[:taken]] = True
+    return kept.repeat_interleave(page_size)[:n]
 
 
 def _top_mask(values: torch.Tensor, k: int) -> torch.Tensor:

@@ -25,9 +25,9 @@ from typing import Any
 RENAMES = ("kvzap-calibrate", "am-groups", "decoding-type")
 # method class (suffix of _target_) -> option -> the value that computes what runs made before it computed
 ADDED: dict[str, dict[str, Any]] = {
-    ".KVzap": {"sinks": 0, "reduction": "max"},
+    ".KVzap": {"sinks": 0, "reduction": "max", "page_size": 1},
     ".KVPress": {"sinks": 0, "scope": "head", "reduction": "max"},
-    ".KVzip": {"reduction": "max"},
+    ".KVzip": {"reduction": "max", "page_size": 1},
 }
 AM_GROUPS = {  # old flat option -> (group, new name)
     "queries": ("queries", "sources"),

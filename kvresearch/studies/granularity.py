@@ -1,7 +1,7 @@
 """Where each eviction scope keeps a needle: KVzap's scores on RULER needle contexts, selected per scope.
 
     python -m kvresearch.studies.granularity [--task niah_single_2] [--samples 5] [--length 2048] [--keep 0.25]
-        [--scopes global head token_layer token_model] [--reductions max mean rank]
+        [--scopes global head token_layer token_model] [--reductions max mean rank] [--page-sizes 16]
         [--out outputs/granularity_needles.json]
 
 For each context (the embedded model; KVzap-MLP of ``paths.surrogate_mlp`` with its window and sinks, as
@@ -18,7 +18,8 @@ For each context (the embedded model; KVzap-MLP of ``paths.surrogate_mlp`` with 
 The token scopes rank a position by one score shared by the heads that keep or evict it together; the methods
 take the best one (``reduction: max``) unless told otherwise. ``--reductions`` adds other reductions, as scopes
 named ``token_layer/mean`` and so on (``ops.selection.position_scores``), to compare them before spending
-generation on them.
+generation on them. ``--page-sizes`` adds the token scopes keeping whole pages of positions (``page_size``, vLLM's
+blocks of 16), as scopes named ``token_layer/page16`` and so on.
 
 No generation: it explains the ``granularity`` experiment's scores (docs/serving.md), it does not replace them.
 """
@@ -37,7 +38,7 @@ from kvresearch.bench.eval import config
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.ops.selection import REDUCTIONS, keep_topk_visible, protect_window
+from kvresearch.ops.selection import PAGED_SCOPES, REDUCTIONS, keep_topk_visible, protect_window
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, write_json
 
@@ -66,13 +67,20 @@ def scope_summary(kept: list[list[torch.Tensor]], needle: list[int], n: int) -> 
 
 
 def selections(
-    scores: list[torch.Tensor], keep: float, scopes: list[str], reductions: list[str], windows: list[int | None]
+    scores: list[torch.Tensor],
+    keep: float,
+    scopes: list[str],
+    reductions: list[str],
+    windows: list[int | None],
+    page_sizes: tuple[int, ...] = (),
 ) -> dict[str, list[list[torch.Tensor]]]:
-    """Scope label -> kept indices per layer and head: each scope, and each token scope under each reduction."""
+    """Scope label -> kept indices per layer and head: each scope, each token scope under each reduction and page."""
     kept = {scope: keep_topk_visible(scores, keep, scope, windows) for scope in scopes}
-    for scope in (s for s in scopes if s.startswith("token_")):
+    for scope in (s for s in scopes if s in PAGED_SCOPES):
         for reduction in (r for r in reductions if r != "max"):
             kept[f"{scope}/{reduction}"] = keep_topk_visible(scores, keep, scope, windows, reduction)
+        for size in (p for p in page_sizes if p > 1):
+            kept[f"{scope}/page{size}"] = keep_topk_visible(scores, keep, scope, windows, page_size=size)
     return kept
 
 
@@ -86,6 +94,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=0.25)
     parser.add_argument("--scopes", nargs="+", default=["global", "head", "token_layer", "token_model"])
     parser.add_argument("--reductions", nargs="+", default=list(REDUCTIONS), choices=REDUCTIONS)
+    parser.add_argument("--page-sizes", nargs="*", type=int, default=[16])
     parser.add_argument("--out", type=Path, default=outputs_root() / "granularity_needles.json")
     args = parser.parse_args()
     cfg = config(
@@ -115,7 +124,7 @@ def main() -> None:
         _, scores = method.scores(session, prompt.context_ids.to(session.device))
         scores = protect_window([s.cpu() for s in scores], method.window, method.sinks)
         n = prompt.context_ids.shape[1]
-        kept = selections(scores, args.keep, args.scopes, args.reductions, windows)
+        kept = selections(scores, args.keep, args.scopes, args.reductions, windows, tuple(args.page_sizes))
         by_scope = {label: scope_summary(rows_kept, needle, n) for label, rows_kept in kept.items()}
         rows.append({"id": sample.record_id(0), "needle_tokens": len(needle), "context": n, "scopes": by_scope})
         bar.update()
@@ -131,7 +140,7 @@ def main() -> None:
     for label in labels:
         spread = [r["scopes"][label]["kept_share"] for r in rows]
         print(
-            f"{label:18} heads keeping the needle {100 * mean['heads_with_needle'][label]:5.1f}%  needle tokens "
+            f"{label:20} heads keeping the needle {100 * mean['heads_with_needle'][label]:5.1f}%  needle tokens "
             f"kept {100 * mean['needle_tokens_kept'][label]:5.1f}%  kept share per head "
             f"min {min(s['min'] for s in spread):.3f} max {max(s['max'] for s in spread):.3f}"
         )
