@@ -326,6 +326,11 @@ def test_kvzap_and_kvzip_with_pages_keep_whole_pages(session, prompt, tmp_path) 
         KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.3, scope="head", page_size=16)
     with pytest.raises(KVResearchError, match="page_size must be a whole number"):
         KVzip(keep_ratio=0.3, scope="token_layer", page_size=0)
+    for budget in ({"threshold": -4.0}, {"threshold": None, "keep_ratio": 0.3, "calibrate": True}):
+        with pytest.raises(KVResearchError, match="decides per head"):  # the threshold rule would ignore the scope
+            KVzap(surrogate=surrogate, scope="token_model", **budget)
+    with pytest.raises(KVResearchError, match="decides per head"):
+        KVzip(threshold=-3.0, scope="token_layer")
 
 
 def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:

@@ -218,9 +218,17 @@ def cache_from_scores(
 
 
 def check_scope(
-    name: str, scope: str, reduction: str = "max", scopes: tuple[str, ...] = SCOPES, page_size: int = 1
+    name: str,
+    scope: str,
+    reduction: str = "max",
+    scopes: tuple[str, ...] = SCOPES,
+    page_size: int = 1,
+    by_threshold: bool = False,
 ) -> None:
-    """Refuse an unknown ``scope`` or ``reduction``, and a reduction or pages outside the token scopes.
+    """Refuse an unknown scope or reduction, and a reduction, pages or a token scope where they would not apply.
+
+    A reduction other than ``max`` and pages need a token scope; a token scope needs a keep_ratio budget
+    (``by_threshold``: the method keeps entries by a threshold, which decides per head).
 
     Raises:
         KVResearchError: what is wrong, with the values that are allowed.
@@ -240,6 +248,11 @@ def check_scope(
         raise KVResearchError(
             f"method {name}: page_size={page_size} keeps whole pages of positions shared by several heads, so it "
             f"needs scope token_layer or token_model, not scope={scope}; set method.page_size=1 or a token scope."
+        )
+    if by_threshold and scope in PAGED_SCOPES:
+        raise KVResearchError(
+            f"method {name}: scope={scope} is a keep_ratio budget, but this method keeps entries by a threshold, "
+            "which decides per head; set method.keep_ratio (calibrate=false), or scope=head."
         )
 
 

@@ -164,7 +164,13 @@ class KVzap(Method):
         """Exactly one budget; a known scope; a non-negative window."""
         super().__post_init__()
         self.require_one("threshold")
-        check_scope(self.name, self.scope, self.reduction, page_size=self.page_size)
+        check_scope(
+            self.name,
+            self.scope,
+            self.reduction,
+            page_size=self.page_size,
+            by_threshold=self.keep_ratio is None or self.calibrate,
+        )
         if self.window < 0 or self.sinks < 0:
             raise KVResearchError(
                 f"method {self.name}: window and sinks must be >= 0, got {self.window} and {self.sinks}."

@@ -39,7 +39,9 @@ class KVzip(Method):
         """Exactly one budget and a known scope."""
         super().__post_init__()
         self.require_one("threshold")
-        check_scope(self.name, self.scope, self.reduction, page_size=self.page_size)
+        check_scope(
+            self.name, self.scope, self.reduction, page_size=self.page_size, by_threshold=self.keep_ratio is None
+        )
 
     def budget(self) -> str:
         """``tau=<threshold>`` in threshold mode, else the keep ratio."""
