@@ -98,3 +98,26 @@ def test_a_method_asked_to_calibrate_refuses_to_compress_before_it_has(tiny, tmp
         method.compress(session, prompt)
     result = method.fit_threshold(session, [prompt])
     assert abs(result.achieved - 0.5) < 0.05 and method.compress(session, prompt).stats()["prune_ratio"] > 0.4
+
+
+def test_a_calibrated_token_layer_threshold_reaches_its_ratio_with_one_decision_per_position(tiny, tmp_path) -> None:
+    from kvresearch.methods.kvzap import KVzap
+    from kvresearch.models import Session
+    from kvresearch.prompts import build_prompt
+
+    adapter = ModelAdapter(tiny.model)
+    surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
+    session = Session(adapter, tiny.tokenizer)
+    prompt = build_prompt(tiny.tokenizer, " ".join("abcdefghijklmnop" * 4), "q?")
+    prompt.context_ids.clamp_(max=96)  # the tiny vocabulary
+    options = {"calibrate": True, "keep_ratio": 0.5, "threshold": None, "window": 4}
+    shared = KVzap(surrogate=surrogate, scope="token_layer", **options)
+    per_head = KVzap(surrogate=surrogate, **options)
+    assert abs(shared.fit_threshold(session, [prompt]).achieved - 0.5) < 0.05
+    assert shared.threshold != per_head.fit_threshold(session, [prompt]).threshold  # the position's score meets it
+    cache = shared.compress(session, prompt)
+    assert abs(cache.stats()["prune_ratio"] - 0.5) < 0.05
+    for layer in cache.ragged:
+        assert layer.head_positions(0).tolist() == layer.head_positions(1).tolist()
+    with pytest.raises(KVResearchError, match="max_entries"):
+        KVzap(surrogate=surrogate, scope="token_layer", threshold=-4.0, max_entries=64)

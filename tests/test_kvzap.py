@@ -69,6 +69,23 @@ def test_single_pass_prefill_evicts_exactly_the_low_scores_outside_the_window(se
     assert cache.kv_bytes()["allocated"] == stats["tokens_kept"] * cache.ragged[0].entry_bytes()
 
 
+@pytest.mark.parametrize("reduction", ["max", "mean"])
+def test_token_layer_threshold_evicts_a_position_from_every_head_by_its_score_over_them(setup, reduction) -> None:
+    model, adapter, ids, surrogate, scores, tau = setup
+    pruner = ThresholdPruner(surrogate, tau, window=WINDOW, sinks=3, token_layer=True, reduction=reduction)
+    cache, _ = prefill(model, adapter, pruner, ids)
+    reduce = {"max": lambda s: s.max(dim=0).values, "mean": lambda s: s.mean(dim=0)}[reduction]
+    for index, layer in enumerate(cache.ragged):
+        shared = reduce(scores[index].double())
+        expected = [i for i in range(T) if i < 3 or i >= T - WINDOW or shared[i] >= tau]
+        assert [layer.head_positions(h).tolist() for h in range(adapter.num_kv_heads)] == [expected] * 2
+    chunked, stats = prefill(model, adapter, pruner, ids, chunk=48)
+    for layer in chunked.ragged:  # a chunked prefill meets other scores, but still one decision per position
+        assert layer.head_positions(0).tolist() == layer.head_positions(1).tolist()
+        assert set(range(T - WINDOW, T)) | {0, 1, 2} <= set(layer.head_positions(0).tolist())
+    assert 0.0 < stats["prune_ratio"] < 1.0
+
+
 def test_chunked_prefill_keeps_the_window_and_only_evicts_below_threshold(setup) -> None:
     model, adapter, ids, surrogate, _, tau = setup
     inputs: dict[int, list[torch.Tensor]] = {}

@@ -14,7 +14,14 @@ from kvresearch.models import ModelAdapter, Session
 from kvresearch.models.presses import _nearest_positions, _positions_of, cache_positions, kept_positions, row_hashes
 from kvresearch.models.ragged_attention import ragged_attention_enabled
 from kvresearch.ops.attention import uniform_stride
-from kvresearch.ops.selection import REDUCTIONS, keep_topk, keep_topk_visible, position_scores, protect_window
+from kvresearch.ops.selection import (
+    REDUCTIONS,
+    keep_threshold,
+    keep_topk,
+    keep_topk_visible,
+    position_scores,
+    protect_window,
+)
 from kvresearch.prompts import build_prompt
 from kvresearch.runs import build
 from tests.helpers import method_config, surrogate_run
@@ -189,6 +196,18 @@ def test_token_scopes_with_pages_keep_whole_pages_as_a_brute_force_does(scope, s
         keep_topk(scores, ratio, scope, page_size=0)
 
 
+@pytest.mark.parametrize("reduction", ["max", "mean"])
+def test_a_threshold_under_token_layer_keeps_a_position_by_its_score_over_the_heads(reduction) -> None:
+    g = torch.Generator().manual_seed(5)
+    scores = [torch.randn(3, 30, generator=g, dtype=torch.float64) for _ in range(2)]
+    kept = keep_threshold(scores, 0.4, "token_layer", reduction)
+    for s, heads in zip(scores, kept, strict=True):
+        want = [p for p in range(30) if reduced_by_hand(s, p, reduction) >= 0.4]
+        assert [k.tolist() for k in heads] == [want] * 3
+    per_head = keep_threshold(scores, 0.4)
+    assert [k.tolist() for k in per_head[0]] == [torch.nonzero(r >= 0.4).view(-1).tolist() for r in scores[0]]
+
+
 def test_a_sliding_layer_with_pages_holds_the_page_its_window_starts_in() -> None:
     g = torch.Generator().manual_seed(4)
     windows, n, size = [None, 9], 24, 5  # the window shows positions 16..23; their first page starts at 15
@@ -329,8 +348,9 @@ def test_kvzap_and_kvzip_with_pages_keep_whole_pages(session, prompt, tmp_path) 
     for budget in ({"threshold": -4.0}, {"threshold": None, "keep_ratio": 0.3, "calibrate": True}):
         with pytest.raises(KVResearchError, match="decides per head"):  # the threshold rule would ignore the scope
             KVzap(surrogate=surrogate, scope="token_model", **budget)
-    with pytest.raises(KVResearchError, match="decides per head"):
-        KVzip(threshold=-3.0, scope="token_layer")
+    for options in ({"scope": "token_model"}, {"scope": "token_layer", "page_size": 16}, {"reduction": "rank"}):
+        with pytest.raises(KVResearchError, match="decides per head"):
+            KVzip(threshold=-3.0, **{"scope": "token_layer", **options})
 
 
 def test_kvzap_fixed_budget_mode_keeps_the_window_and_the_ratio(session, prompt, tmp_path) -> None:

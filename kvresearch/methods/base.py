@@ -207,10 +207,10 @@ def cache_from_scores(
     """
     if (threshold is None) == (keep_ratio is None):
         raise ValueError("give exactly one of threshold and keep_ratio")
-    check_scope("cache_from_scores", scope, reduction, page_size=page_size)
+    check_scope("cache_from_scores", scope, reduction, page_size=page_size, by_threshold=threshold is not None)
     protected = protect_window(scores, window, sinks)
     if threshold is not None:
-        keep = keep_threshold(protected, threshold)
+        keep = keep_threshold(protected, threshold, scope, reduction)
     else:
         windows = prefill.windows or [None] * len(scores)  # a sliding layer's budget is its window's share
         keep = keep_topk_visible(protected, float(keep_ratio), scope, windows, reduction, page_size)  # type: ignore[arg-type]
@@ -227,8 +227,9 @@ def check_scope(
 ) -> None:
     """Refuse an unknown scope or reduction, and a reduction, pages or a token scope where they would not apply.
 
-    A reduction other than ``max`` and pages need a token scope; a token scope needs a keep_ratio budget
-    (``by_threshold``: the method keeps entries by a threshold, which decides per head).
+    A reduction other than ``max`` and pages need a token scope. A threshold (``by_threshold``) decides per head,
+    or per position of a layer with ``token_layer`` (reduction ``max`` or ``mean``); ``token_model``, pages and
+    the within-head quantile need a keep_ratio budget.
 
     Raises:
         KVResearchError: what is wrong, with the values that are allowed.
@@ -249,10 +250,11 @@ def check_scope(
             f"method {name}: page_size={page_size} keeps whole pages of positions shared by several heads, so it "
             f"needs scope token_layer or token_model, not scope={scope}; set method.page_size=1 or a token scope."
         )
-    if by_threshold and scope in PAGED_SCOPES:
+    if by_threshold and (scope == "token_model" or page_size > 1 or reduction == "rank"):
         raise KVResearchError(
-            f"method {name}: scope={scope} is a keep_ratio budget, but this method keeps entries by a threshold, "
-            "which decides per head; set method.keep_ratio (calibrate=false), or scope=head."
+            f"method {name}: scope={scope} page_size={page_size} reduction={reduction} needs a keep_ratio budget, "
+            "but this method keeps entries by a threshold, which decides per head, or per position of a layer "
+            "with scope=token_layer (reduction max or mean); set method.keep_ratio (calibrate=false), or those."
         )
 
 

@@ -20,6 +20,10 @@ share per head, layer or globally (``scope``), the window protected, for compari
 With ``calibrate: true`` the keep ratio is reached on average instead, by one threshold calibrated on
 held-out contexts (the paper's way: the threshold rule, in prefill and decoding, at a measured ratio).
 
+``scope: token_layer`` with the threshold rule (or its calibrated threshold): a position that leaves the window is
+evicted from every head of the layer when its score reduced over them (``reduction``: max or mean) is below the
+threshold, the rule a paged engine can hold; each layer keeps what its scores say, not a fixed share.
+
 A surrogate with ``context`` inputs (``surrogate=mlp_context``) also reads the token's value-output norms,
 position, in-context count rates and the context's length (``kvresearch.surrogate.context``): the pruner
 records the token ids of every forward pass, and the counts and length of a token are those of the context
@@ -46,6 +50,7 @@ from kvresearch.models.cache import RaggedCache, RaggedLayer
 from kvresearch.models.hooks import after_attention, attention_inputs, model_calls
 from kvresearch.models.session import Prefill, Session
 from kvresearch.ops.calibration import Calibration, calibrate_threshold
+from kvresearch.ops.selection import position_scores
 from kvresearch.prompts import Prompt
 from kvresearch.surrogate.context import count_rates, with_context
 from kvresearch.surrogate.modules import Surrogate
@@ -81,6 +86,8 @@ class ThresholdPruner:
     max_entries: int | None = None  # per KV head, at every step (None: no budget)
     sinks: int = 0  # the first positions, never evicted
     compact_every: int = 64  # during decoding, compact a layer once this many entries are dead per head
+    token_layer: bool = False  # a position is evicted from every head of a layer at once, by its reduced score
+    reduction: str = "max"  # with token_layer: ops.selection.position_scores (max or mean)
 
     @contextmanager
     def attach(self, adapter: ModelAdapter, cache: RaggedCache) -> Iterator[ScoringTime]:
@@ -112,6 +119,8 @@ class ThresholdPruner:
             pending_pos[index], pending_scores[index] = positions[~leaving], scores[:, ~leaving]
             if bool(leaving.any()):
                 out_pos, out_scores = positions[leaving], scores[:, leaving]
+                if self.token_layer:  # one decision per position, shared by the layer's heads
+                    out_scores = position_scores(out_scores, self.reduction).expand_as(out_scores)
                 for h in range(out_scores.shape[0]):
                     low = out_scores[h] < self.threshold
                     layer.evict(h, out_pos[low])
@@ -185,6 +194,11 @@ class KVzap(Method):
                 f"method {self.name}: decoding and max_entries prune by threshold; set method.threshold and "
                 "method.keep_ratio=null, or reach a keep ratio by a threshold with method.calibrate=true."
             )
+        if self.max_entries is not None and self.scope == "token_layer":
+            raise KVResearchError(
+                f"method {self.name}: max_entries evicts each head's lowest entries, which would split the positions "
+                "scope=token_layer shares across a layer's heads; set method.max_entries=null or method.scope=head."
+            )
         if self.max_entries is not None and self.max_entries <= self.window + self.sinks:
             raise KVResearchError(
                 f"method {self.name}: max_entries={self.max_entries} must exceed the window ({self.window}) plus the "
@@ -238,6 +252,8 @@ class KVzap(Method):
 
             def held_out(ids: torch.Tensor = prompt.context_ids) -> dict[str, torch.Tensor]:
                 _, scores = self.scores(session, ids)
+                if self.scope == "token_layer":  # the score the rule meets: the position's, in every head
+                    scores = [position_scores(s, self.reduction).expand_as(s) for s in scores]
                 tokens = scores[0].shape[1]
                 kept = torch.cat([s[:, self.sinks : max(tokens - self.window, 0)].reshape(-1) for s in scores])
                 return {"eligible": kept, "entries": torch.tensor([sum(s.numel() for s in scores)])}
@@ -245,8 +261,10 @@ class KVzap(Method):
             # Each target prune ratio of a sweep calibrates on the same scores: computed once per surrogate.
             digest = hashlib.sha1(str(prompt.context_ids[0].tolist()).encode()).hexdigest()
             sinks = f"|sinks={self.sinks}" if self.sinks else ""
+            shared = f"|token_layer={self.reduction}" if self.scope == "token_layer" else ""
             key = (
-                f"kvzap-held-out|{weights.hexdigest()}|{self.surrogate.config}|window={self.window}{sinks}|ids={digest}"
+                f"kvzap-held-out|{weights.hexdigest()}|{self.surrogate.config}|window={self.window}{sinks}{shared}"
+                f"|ids={digest}"
             )
             got = session.memo.get_or_compute(key, held_out) if session.memo is not None else held_out()
             eligible.append(got["eligible"])
@@ -258,7 +276,15 @@ class KVzap(Method):
     def pruner(self) -> ThresholdPruner:
         """The threshold rule with this method's settings."""
         assert self.threshold is not None
-        return ThresholdPruner(self.surrogate, float(self.threshold), self.window, self.max_entries, sinks=self.sinks)
+        return ThresholdPruner(
+            self.surrogate,
+            float(self.threshold),
+            self.window,
+            self.max_entries,
+            sinks=self.sinks,
+            token_layer=self.scope == "token_layer",
+            reduction=self.reduction,
+        )
 
     def _check_fits(self, session: Session) -> None:
         config, adapter = self.surrogate.config, session.adapter

@@ -22,6 +22,8 @@ positions) positions.
 page i holds positions [iP, (i + 1)P) (the last one may be shorter), scores the best of its positions, and the
 best pages are kept until they hold at least round(r x positions) positions (so a kept page is never split).
 
+A threshold (:func:`keep_threshold`) decides per head, or with ``token_layer`` per position of a layer.
+
 On a model with sliding-window layers (Gemma-3), :func:`keep_topk_visible` budgets each sliding layer over the
 entries its window still shows, so every method is compared at the memory it really holds.
 """
@@ -157,8 +159,16 @@ def keep_topk_visible(
     return [[rows + a for rows in layer] for layer, a in zip(kept, starts, strict=True)]
 
 
-def keep_threshold(scores: list[torch.Tensor], threshold: float) -> list[list[torch.Tensor]]:
-    """Indices whose score is at least ``threshold``, per layer and head."""
+def keep_threshold(
+    scores: list[torch.Tensor], threshold: float, scope: str = "head", reduction: str = "max"
+) -> list[list[torch.Tensor]]:
+    """Indices whose score is at least ``threshold``, per layer and head.
+
+    With ``scope="token_layer"`` a position is kept in every head of a layer when its score reduced over them
+    (:func:`position_scores`) is; every other scope decides per head. The budget per layer follows the scores.
+    """
+    if scope == "token_layer":
+        return [[torch.nonzero(position_scores(s, reduction) >= threshold).view(-1)] * s.shape[0] for s in scores]
     return [[torch.nonzero(row >= threshold).view(-1) for row in s] for s in scores]
 
 
