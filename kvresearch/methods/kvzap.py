@@ -157,7 +157,7 @@ class KVzap(Method):
     name: str = "kvzap"
     surrogate: Surrogate
     threshold: float | None = -4.0  # log space; exactly one of threshold and keep_ratio
-    scope: str = "head"  # for keep_ratio: ops.selection.SCOPES
+    scope: str = "head"  # for keep_ratio: ops.selection.SCOPES; for the threshold: head or token_layer
     reduction: str = "max"  # how the token scopes score a position over its heads: ops.selection.REDUCTIONS
     page_size: int = 1  # with a token scope: keep whole pages of this many positions (vLLM: 16)
     window: int = 128
