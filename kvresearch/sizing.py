@@ -111,6 +111,12 @@ def measured_rates(path: Path) -> dict[str, dict[str, float]]:
 EXTRACT_DOCUMENTS, EXTRACT_TOKENS = 2400, 8192  # the KVzap paper's 1.2M rows at 500 rows per 8k-token document
 
 
+def architecture_of(model: str, overrides: tuple[str, ...]) -> str:
+    """The vendored architecture a cell runs: its last ``model=`` override, else its model label."""
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+    return named[-1] if named else model
+
+
 def experiment_rows(name: str, rates: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """Per model of ``name``'s hub variant: cells, contexts, GPU-hours and whether the rates were measured."""
     from hydra import compose, initialize_config_dir
@@ -125,7 +131,7 @@ def experiment_rows(name: str, rates: dict[str, dict[str, float]]) -> list[dict[
             cell.model,
             {"experiment": name, "model": cell.model, "cells": 0, "contexts": 0, "gpu_hours": 0.0, "source": ""},
         )
-        architecture = cell.model
+        architecture = architecture_of(cell.model, cell.overrides)  # a model row's label may name its benchmark
         measured = rates.get(architecture)
         entry["rates"] = "measured" if measured else "estimated"
         s = shape(architecture)
@@ -137,9 +143,13 @@ def experiment_rows(name: str, rates: dict[str, dict[str, float]]) -> list[dict[
                 entry["source"] = f"extraction: {EXTRACT_DOCUMENTS} documents of {EXTRACT_TOKENS} tokens"
             continue
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("evaluate", overrides=list(cell.overrides))
+            cfg = compose(cell.stage, overrides=list(cell.overrides))
         contexts, tokens, answers, new_tokens, source = workload(cfg.benchmark)
-        new_tokens = int(cfg.evaluate.get("max_new_tokens") or new_tokens)
+        if cell.stage == "fidelity":  # one long generation from each of the benchmark's first prompts
+            contexts, answers, new_tokens = int(cfg.fidelity.prompts), 1, int(cfg.fidelity.new_tokens)
+            source = f"{source.split(':')[0]}: the first {contexts} prompts, {new_tokens} new tokens each"
+        else:
+            new_tokens = int(cfg.evaluate.get("max_new_tokens") or new_tokens)
         decode_rate = (measured or {}).get("decode_tokens_per_s")
         decode_s = 1 / decode_rate if decode_rate else s.decode_s(tokens)
         method = str(cfg.method.get("name", cell.row))
