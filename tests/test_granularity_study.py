@@ -40,13 +40,27 @@ def test_rank_is_blind_to_a_head_whose_scores_run_higher_and_max_is_not() -> Non
     assert kept(shifted, "rank")["token_layer/rank"][0][0].tolist() == by_rank
     by_head0 = scores[0][0].topk(5).indices.sort().values.tolist()
     assert kept(shifted, "max")["token_layer"][0][1].tolist() == by_head0  # head 0 decides every position
-    assert set(kept(shifted, "rank")) == {"token_layer", "token_layer/rank"}
+    assert set(kept(shifted, "rank")) == {"token_layer", "token_layer/rank", "token_layer/threshold"}
 
 
 def test_pages_add_a_scope_per_token_scope_and_page_size() -> None:
     torch.manual_seed(2)
     scores = [torch.randn(2, 20) for _ in range(2)]
     kept = selections(scores, 0.25, ["head", "token_layer", "token_model"], ["max"], [None, None], (1, 4))
-    assert set(kept) == {"head", "token_layer", "token_model", "token_layer/page4", "token_model/page4"}
+    assert set(kept) == {"head", "token_layer", "token_model", "token_layer/page4", "token_model/page4"} | {
+        "token_layer/threshold"
+    }
     paged = kept["token_model/page4"][0][0].tolist()
     assert len(paged) == 8 and {p // 4 for p in paged} == {paged[0] // 4, paged[4] // 4}  # two whole pages
+
+
+def test_the_threshold_at_token_layer_keeps_the_share_over_the_layers_unevenly() -> None:
+    torch.manual_seed(3)
+    scores = [torch.randn(2, 20), torch.randn(2, 20) + 1.0]  # layer 1's scores run higher: it keeps more
+    kept = selections(scores, 0.25, ["token_layer"], ["max"], [None, None])["token_layer/threshold"]
+    counts = [len(layer[0]) for layer in kept]
+    assert sum(counts) == 10 and counts[1] > counts[0]  # a quarter of the 40 positions, more in layer 1
+    assert all(torch.equal(layer[0], layer[1]) for layer in kept)  # one decision for both heads
+    floor = min(float(scores[i][:, p].max()) for i, layer in enumerate(kept) for p in layer[0].tolist())
+    dropped = [float(scores[i][:, p].max()) for i in range(2) for p in range(20) if p not in kept[i][0].tolist()]
+    assert max(dropped) < floor  # every kept position clears what every dropped one misses
