@@ -219,6 +219,29 @@ def test_a_sliding_layer_with_pages_holds_the_page_its_window_starts_in() -> Non
     assert all(int(k.min()) >= 15 for k in kept[1])
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_token_layer_global_spends_one_budget_over_the_layers_as_a_brute_force_does(reduction) -> None:
+    g = torch.Generator().manual_seed(6)
+    layers, heads, n, ratio = 3, 2, 30, 0.3
+    scores = [torch.randn(heads, n, generator=g, dtype=torch.float64) + i for i in range(layers)]  # layer 2 runs high
+    scores[0][1, 4] = float("inf")  # protected in one head: kept in both
+    kept = keep_topk(scores, ratio, "token_layer_global", reduction=reduction)
+    pairs = {(i, p): reduced_by_hand(scores[i], p, reduction) for i in range(layers) for p in range(n)}
+    top = sorted(pairs, key=lambda ip: -pairs[ip])[: round(ratio * layers * n)]
+    for i in range(layers):
+        assert all(torch.equal(k, kept[i][0]) for k in kept[i]), i  # one decision for every head of a layer
+        if reduction != "rank":  # no ties: the same pairs
+            assert kept[i][0].tolist() == sorted(p for layer, p in top if layer == i), i
+    mine = sorted(pairs[(i, p)] for i in range(layers) for p in kept[i][0].tolist())
+    assert mine == sorted(pairs[ip] for ip in top)  # up to ties at the cut (ranks tie across layers)
+    counts = [len(layer[0]) for layer in kept]
+    assert sum(counts) == round(ratio * layers * n)
+    if reduction != "rank":  # ranks are quantiles within a layer, blind to a layer whose scores run higher
+        assert counts[2] > counts[0]  # the layers keep unevenly
+    with pytest.raises(KVResearchError, match="decides per head"):
+        KVzip(threshold=-3.0, scope="token_layer_global")
+
+
 def test_position_scores_reduce_over_the_heads_as_a_brute_force_does() -> None:
     torch.manual_seed(0)
     s = torch.randn(3, 12, dtype=torch.float64)
@@ -392,7 +415,7 @@ def test_kvzap_keep_ratio_zero_still_keeps_the_window(session, prompt, tmp_path)
     adapter = session.adapter
     surrogate = surrogate_run(tmp_path, adapter.num_layers, adapter.hidden_size, adapter.num_kv_heads)
     n = prompt.context_ids.shape[1]
-    for scope in ("head", "layer", "global", "token_layer", "token_model"):
+    for scope in ("head", "layer", "global", "token_layer", "token_layer_global", "token_model"):
         cache = KVzap(surrogate=surrogate, threshold=None, keep_ratio=0.0, scope=scope, window=16).compress(
             session, prompt
         )

@@ -250,7 +250,7 @@ def check_scope(
             f"method {name}: page_size={page_size} keeps whole pages of positions shared by several heads, so it "
             f"needs scope token_layer or token_model, not scope={scope}; set method.page_size=1 or a token scope."
         )
-    if by_threshold and (scope == "token_model" or page_size > 1 or reduction == "rank"):
+    if by_threshold and (scope in ("token_model", "token_layer_global") or page_size > 1 or reduction == "rank"):
         raise KVResearchError(
             f"method {name}: scope={scope} page_size={page_size} reduction={reduction} needs a keep_ratio budget, "
             "but this method keeps entries by a threshold, which decides per head, or per position of a layer "

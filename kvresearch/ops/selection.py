@@ -18,6 +18,10 @@ head (``rank``), so that a head whose scores run higher than the others' does no
 ``token_model`` the layers' reduced scores meet by their maximum. Each layer (or the model) keeps round(r x
 positions) positions.
 
+``token_layer_global`` decides per position of a layer, as ``token_layer``, but its budget spans the layers: the
+(layer, position) pairs compete by their reduced scores for round(r x all positions), so a layer keeps what its
+scores earn (KVzap's threshold rule at ``token_layer`` spends it so, at a ratio fixed per context).
+
 ``page_size`` P > 1 makes the token scopes keep whole pages, as a paged engine frees them (vLLM's blocks of 16):
 page i holds positions [iP, (i + 1)P) (the last one may be shorter), scores the best of its positions, and the
 best pages are kept until they hold at least round(r x positions) positions (so a kept page is never split).
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-SCOPES = ("head", "layer", "global", "adakv", "token_layer", "token_model")
+SCOPES = ("head", "layer", "global", "adakv", "token_layer", "token_layer_global", "token_model")
 REDUCTIONS = ("max", "mean", "rank")  # over the heads that keep or evict a position together (the token scopes)
 PAGED_SCOPES = ("token_layer", "token_model")  # the scopes that take a page_size above 1
 ADAKV_SAFEGUARD = 0.2  # kvpress AdaKVPress.alpha_safeguard
@@ -107,6 +111,13 @@ def keep_topk(
             _top_pages(position_scores(s, reduction), round(keep_ratio * s.shape[1]), page_size).expand_as(s)
             for s in scores
         ]
+    elif scope == "token_layer_global":
+        reduced = [position_scores(s, reduction) for s in scores]
+        flat = torch.cat(reduced)
+        kept, masks, offset = _top_mask(flat, round(keep_ratio * flat.numel())), [], 0
+        for s, one in zip(scores, reduced, strict=True):
+            masks.append(kept[offset : offset + one.numel()].expand_as(s))
+            offset += one.numel()
     elif scope == "token_model":
         if len({s.shape[1] for s in scores}) > 1:
             raise ValueError(
@@ -123,7 +134,7 @@ def keep_topk(
             masks.append(kept[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
     protected = [torch.isposinf(s) for s in scores]
-    if scope == "token_layer":  # a position protected in one head is kept in every head that shares the decision
+    if scope.startswith("token_layer"):  # a position protected in one head is kept in every head sharing the decision
         protected = [p.any(dim=0).expand_as(p) for p in protected]
     elif scope == "token_model":
         anywhere = torch.stack([p.any(dim=0) for p in protected]).any(dim=0)
