@@ -112,12 +112,8 @@ def keep_topk(
             for s in scores
         ]
     elif scope == "token_layer_global":
-        reduced = [position_scores(s, reduction) for s in scores]
-        flat = torch.cat(reduced)
-        kept, masks, offset = _top_mask(flat, round(keep_ratio * flat.numel())), [], 0
-        for s, one in zip(scores, reduced, strict=True):
-            masks.append(kept[offset : offset + one.numel()].expand_as(s))
-            offset += one.numel()
+        shared = _top_over([position_scores(s, reduction) for s in scores], keep_ratio)
+        masks = [one.expand_as(s) for one, s in zip(shared, scores, strict=True)]
     elif scope == "token_model":
         if len({s.shape[1] for s in scores}) > 1:
             raise ValueError(
@@ -127,12 +123,7 @@ def keep_topk(
         kept_positions = _top_pages(best, round(keep_ratio * best.numel()), page_size)
         masks = [kept_positions.expand_as(s) for s in scores]
     else:
-        flat = torch.cat([s.flatten() for s in scores])
-        kept = _top_mask(flat, round(keep_ratio * flat.numel()))
-        masks, offset = [], 0
-        for s in scores:
-            masks.append(kept[offset : offset + s.numel()].view_as(s))
-            offset += s.numel()
+        masks = _top_over(scores, keep_ratio)
     protected = [torch.isposinf(s) for s in scores]
     if scope.startswith("token_layer"):  # a position protected in one head is kept in every head sharing the decision
         protected = [p.any(dim=0).expand_as(p) for p in protected]
@@ -216,6 +207,13 @@ def _top_pages(values: torch.Tensor, k: int, page_size: int) -> torch.Tensor:
     kept = torch.zeros(pages, dtype=torch.bool, device=values.device)
     kept[order[:taken]] = True
     return kept.repeat_interleave(page_size)[:n]
+
+
+def _top_over(values: list[torch.Tensor], keep_ratio: float) -> list[torch.Tensor]:
+    """Kept masks shaped as each of ``values``: the top round(r x all entries) of them taken together."""
+    flat = torch.cat([v.flatten() for v in values])
+    kept = _top_mask(flat, round(keep_ratio * flat.numel()))
+    return [part.view_as(v) for part, v in zip(kept.split([v.numel() for v in values]), values, strict=True)]
 
 
 def _top_mask(values: torch.Tensor, k: int) -> torch.Tensor:

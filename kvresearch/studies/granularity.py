@@ -20,9 +20,9 @@ take the best one (``reduction: max``) unless told otherwise. ``--reductions`` a
 named ``token_layer/mean`` and so on (``ops.selection.position_scores``), to compare them before spending
 generation on them. ``--page-sizes`` adds the token scopes keeping whole pages of positions (``page_size``, vLLM's
 blocks of 16), as scopes named ``token_layer/page16`` and so on.
-``token_layer/threshold`` is KVzap's threshold rule at ``token_layer`` (the threshold that keeps the share of
-that context, over every layer's positions; models without sliding layers): its ``kept_share`` shows how unevenly
-the layers spend it.
+``token_layer/threshold`` is KVzap's threshold rule at ``token_layer`` with the threshold that keeps the share of
+that context (scope ``token_layer_global``: one budget over every layer's positions): its ``kept_share`` shows
+how unevenly the layers spend it.
 
 No generation: it explains the ``granularity`` experiment's scores (docs/serving.md), it does not replace them.
 """
@@ -41,14 +41,7 @@ from kvresearch.bench.eval import config
 from kvresearch.benchmarks.loader import load_samples
 from kvresearch.errors import KVResearchError
 from kvresearch.models import ModelAdapter, Session, load_model
-from kvresearch.ops.selection import (
-    PAGED_SCOPES,
-    REDUCTIONS,
-    keep_threshold,
-    keep_topk_visible,
-    position_scores,
-    protect_window,
-)
+from kvresearch.ops.selection import PAGED_SCOPES, REDUCTIONS, keep_topk_visible, protect_window
 from kvresearch.progress import Progress
 from kvresearch.runs import build, outputs_root, write_json
 
@@ -86,25 +79,14 @@ def selections(
 ) -> dict[str, list[list[torch.Tensor]]]:
     """Scope label -> kept indices per layer and head: each scope, each token scope under each reduction and page."""
     kept = {scope: keep_topk_visible(scores, keep, scope, windows) for scope in scopes}
-    if "token_layer" in scopes and not any(windows):
-        kept["token_layer/threshold"] = layer_threshold(scores, keep)
+    if "token_layer" in scopes:  # the threshold that keeps the share of this context: one budget over the layers
+        kept["token_layer/threshold"] = keep_topk_visible(scores, keep, "token_layer_global", windows)
     for scope in (s for s in scopes if s in PAGED_SCOPES):
         for reduction in (r for r in reductions if r != "max"):
             kept[f"{scope}/{reduction}"] = keep_topk_visible(scores, keep, scope, windows, reduction)
         for size in (p for p in page_sizes if p > 1):
             kept[f"{scope}/page{size}"] = keep_topk_visible(scores, keep, scope, windows, page_size=size)
     return kept
-
-
-def layer_threshold(scores: list[torch.Tensor], keep: float) -> list[list[torch.Tensor]]:
-    """KVzap's threshold rule at ``token_layer`` with the threshold that keeps ``keep`` of this context.
-
-    A position's best score over a layer's heads meets one threshold in every layer, so each layer keeps what its
-    scores clear; the threshold is the one this context needs (the evaluation calibrates one on held-out contexts).
-    """
-    best = torch.cat([position_scores(s) for s in scores])  # (layers x positions,)
-    k = max(1, round(keep * best.numel()))
-    return keep_threshold(scores, float(best.topk(k).values[-1]), "token_layer")
 
 
 @torch.no_grad()
